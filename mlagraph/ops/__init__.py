@@ -1,0 +1,22 @@
+"""MLA operations as ``torch.ops.mlagraph.*`` custom ops, and the backends that implement them.
+
+Importing this package registers every op. One module per op family holds its schema, its
+argument checks (shared by the real and the fake kernel), its fake kernel and its reference
+implementation in plain PyTorch:
+
+- :mod:`.rope`     ``rope`` (+ :func:`rope_cos_sin_cache`, the YaRN cos/sin table)
+- :mod:`.cache`    ``latent_cache_write``, ``latent_cache_read``, ``fused_rope_concat_cache_write``
+- :mod:`.decode`   ``mla_decode`` (absorbed, paged)
+- :mod:`.prefill`  ``mha_prefill`` (dense, ragged, causal with prefix)
+- :mod:`.sparse`   ``sparse_mla`` (DSA attention over top-k indices)
+- :mod:`.indexer`  ``indexer_cache_write``, ``indexer_topk``
+- :mod:`.moe`      ``moe`` (DeepSeek routing + routed experts)
+
+Cache layouts are described in :mod:`.layouts`; backends and their capability tables in
+:mod:`.backends`.
+"""
+
+from . import layouts  # noqa: F401
+from . import rope, cache, decode, prefill, sparse, indexer, moe  # noqa: F401  (registers the ops)
+from . import backends  # noqa: F401
+from .rope import rope_cos_sin_cache  # noqa: F401

@@ -1,0 +1,158 @@
+"""Backends: which implementation of each MLA op a model runs, and what each one can do.
+
+A backend is a name, a frozen :class:`Capabilities` table and a map from each generic op name
+(``"mla_decode"``, ``"mha_prefill"``, ...) to the ``torch.ops`` op that implements it. Every
+dispatch decision in mlagraph (the forward method of a layer, which fusion a pass applies) is a
+pure function of that table and the batch plan: no environment variable, platform flag or
+module-level switch reaches an op, a pass or a dispatch function (DESIGN.md, lessons 1-4).
+
+    >>> from mlagraph.ops import backends
+    >>> backends.names()
+    ['reference']
+    >>> backends.get("reference").capabilities.fused_rope_cache
+    True
+    >>> backends.get("cuda")
+    Traceback (most recent call last):
+    ValueError: unknown backend 'cuda'; known backends: reference
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import torch
+
+# The generic ops every backend provides (its own kernel, or a declared fallback).
+GENERIC_OPS = (
+    "rope",
+    "latent_cache_write",
+    "latent_cache_read",
+    "fused_rope_concat_cache_write",
+    "mla_decode",
+    "mha_prefill",
+    "sparse_mla",
+    "indexer_cache_write",
+    "indexer_topk",
+    "moe",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend's kernels do, stated once. Read by dispatch and by the graph passes.
+
+    Attributes:
+        latent_layouts: latent cache layouts its kernels read and write.
+        indexer_layouts: indexer-key cache layouts (DSA) it reads and writes.
+        fused_rope_cache: it has a single op for RoPE -> concat(q) -> latent cache write.
+        fused_applies_rope: that fused op rotates q_pe and k_pe itself (so nothing else may).
+        fused_writes_cache: that fused op writes the latent cache itself.
+        fused_returns_q: that fused op returns q = cat(q_nope, rope(q_pe)).
+        fused_returns_k: that fused op returns the rotated k_pe; if False its K output is an
+            empty tensor and no consumer may read it.
+        decode_q_split: its decode takes q_nope and q_pe as two tensors (no concat needed).
+        multi_token_decode: its decode takes s_q > 1 (causal within the new tokens).
+        mha_prefill: it has dense ragged MHA prefill (q/k 192, v 128 for DeepSeek).
+        mha_over_prefix: its MHA prefill takes keys = cached prefix + new tokens.
+        sparse_mla: it has DSA sparse attention over top-k indices.
+        cuda_graph_safe: generic ops whose kernels are safe to capture in a CUDA graph.
+        fallbacks: generic op -> backend whose implementation this backend uses for it.
+    """
+
+    latent_layouts: frozenset[str]
+    indexer_layouts: frozenset[str]
+    fused_rope_cache: bool
+    fused_applies_rope: bool
+    fused_writes_cache: bool
+    fused_returns_q: bool
+    fused_returns_k: bool
+    decode_q_split: bool
+    multi_token_decode: bool
+    mha_prefill: bool
+    mha_over_prefix: bool
+    sparse_mla: bool
+    cuda_graph_safe: frozenset[str]
+    fallbacks: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        # Freeze the mapping so a table can never be edited after registration.
+        object.__setattr__(self, "fallbacks", MappingProxyType(dict(self.fallbacks)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A registered backend. ``op(name)`` returns the ``torch.ops`` packet for a generic op."""
+
+    name: str
+    capabilities: Capabilities
+    op_names: Mapping[str, str]  # generic op -> "namespace::op"
+    available: bool = True
+    reason: str = ""  # why it is unavailable, and how to fix that
+
+    def op(self, generic: str) -> torch._ops.OpOverloadPacket:
+        if generic not in self.op_names:
+            raise ValueError(
+                f"backend {self.name!r}: no op {generic!r}; expected one of {sorted(self.op_names)}"
+            )
+        namespace, name = self.op_names[generic].split("::")
+        return getattr(getattr(torch.ops, namespace), name)
+
+    def owned_ops(self) -> frozenset[str]:
+        """Qualified names of ops private to this backend (not in the shared ``mlagraph`` set)."""
+        return frozenset(q for q in self.op_names.values() if not q.startswith("mlagraph::"))
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    missing = [g for g in GENERIC_OPS if g not in backend.op_names]
+    if missing:
+        raise ValueError(f"backend {backend.name!r} does not map generic ops {missing}")
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def names() -> list[str]:
+    """Names of all registered backends (available or not), in registration order."""
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Backend:
+    """The backend called ``name``; ValueError listing the known names if there is none.
+
+    A registered but unavailable backend (say, ``aiter`` without its wheel) raises too, with
+    the reason and how to install what it needs.
+    """
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(_REGISTRY)}")
+    backend = _REGISTRY[name]
+    if not backend.available:
+        raise ValueError(f"backend {name!r} is not available: {backend.reason}")
+    return backend
+
+
+REFERENCE = register(
+    Backend(
+        name="reference",
+        capabilities=Capabilities(
+            latent_layouts=frozenset({"bf16", "fp8", "fp8_ds"}),
+            indexer_layouts=frozenset({"bf16", "fp8"}),
+            fused_rope_cache=True,
+            fused_applies_rope=True,
+            fused_writes_cache=True,
+            fused_returns_q=True,
+            fused_returns_k=True,
+            decode_q_split=True,
+            multi_token_decode=True,
+            mha_prefill=True,
+            mha_over_prefix=True,
+            sparse_mla=True,
+            # Plain PyTorch with no host syncs and no data-dependent shapes: capturable, if slow.
+            cuda_graph_safe=frozenset(GENERIC_OPS),
+        ),
+        op_names={g: f"mlagraph::{g}" for g in GENERIC_OPS},
+    )
+)
