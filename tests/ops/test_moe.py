@@ -1,0 +1,269 @@
+"""mlagraph.ops.moe.route and mlagraph::moe against transformers' DeepSeek routers and experts."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Config, DeepseekV2Moe
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Config, DeepseekV3MoE
+
+import mlagraph  # noqa: F401  (registers the ops)
+from mlagraph.ops.moe import route
+from tests import helpers
+
+moe_op = torch.ops.mlagraph.moe
+
+HIDDEN, INTER, E, T = 16, 8, 8, 6
+
+# (name, scoring_func, topk_method, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor)
+ROUTINGS = [
+    ("v2_lite", "softmax", "greedy", 1, 1, 3, False, 1.0),
+    ("v2", "softmax", "group_limited_greedy", 4, 2, 3, False, 16.0),
+    ("v2_one_group", "softmax", "group_limited_greedy", 1, 1, 2, False, 1.0),
+    ("v3", "sigmoid", "noaux_tc", 4, 2, 3, True, 2.5),
+    ("v3_no_norm", "sigmoid", "noaux_tc", 4, 2, 3, False, 2.5),
+    ("v3_one_group", "sigmoid", "noaux_tc", 1, 1, 2, True, 2.5),
+]
+ROUTING_IDS = [r[0] for r in ROUTINGS]
+
+
+def hf_moe(scoring, method, n_group, topk_group, top_k, norm, scale, seed=0):
+    """transformers' MoE block for this routing, with random weights (and bias for V3)."""
+    common = dict(hidden_size=HIDDEN, num_attention_heads=4, moe_intermediate_size=INTER, n_routed_experts=E,
+                  num_experts_per_tok=top_k, n_group=n_group, topk_group=topk_group, n_shared_experts=1,
+                  routed_scaling_factor=scale, norm_topk_prob=norm)
+    torch.manual_seed(seed)
+    if scoring == "softmax":  # the V2 router: never normalizes (norm is applied in the tests)
+        m = DeepseekV2Moe(DeepseekV2Config(topk_method=method, **common))
+    else:
+        m = DeepseekV3MoE(DeepseekV3Config(**common))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.5)
+        if scoring == "sigmoid":
+            m.gate.e_score_correction_bias.normal_(0, 0.3)
+    return m.eval()
+
+
+def hf_route(m, hidden):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return m.gate(hidden)  # router_logits, weights, ids
+
+
+def bias_of(m):
+    return getattr(m.gate, "e_score_correction_bias", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# route
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("name,scoring,method,n_group,topk_group,top_k,norm,scale", ROUTINGS, ids=ROUTING_IDS)
+def test_route_matches_transformers(name, scoring, method, n_group, topk_group, top_k, norm, scale, ties):
+    m = hf_moe(scoring, method, n_group, topk_group, top_k, norm, scale)
+    hidden = torch.randn(T, HIDDEN)
+    if ties:  # many equal logits: same torch ops in the same order must break ties the same way
+        m.gate.weight.data = torch.randint(-1, 2, (E, HIDDEN)).float()
+        hidden = torch.randint(-1, 2, (T, HIDDEN)).float()
+    logits, hf_w, hf_ids = hf_route(m, hidden)
+    w, ids = route(logits, bias_of(m), top_k, scoring, method, n_group, topk_group, norm, scale)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (T, top_k)
+    for t in range(T):
+        assert set(ids[t].tolist()) == set(hf_ids[t].tolist()), t
+        by_id = dict(zip(hf_ids[t].tolist(), hf_w[t].tolist()))
+        assert w[t].tolist() == [by_id[i] for i in ids[t].tolist()], t
+
+
+@pytest.mark.parametrize("method,n_group,topk_group", [("greedy", 1, 1), ("group_limited_greedy", 4, 2)])
+def test_route_softmax_norm_matches_transformers(method, n_group, topk_group):
+    """transformers' V2 router never normalizes; with scale 1 its weights / their sum is ours."""
+    m = hf_moe("softmax", method, n_group, topk_group, 3, False, 1.0)
+    logits, hf_w, hf_ids = hf_route(m, torch.randn(T, HIDDEN))
+    w, ids = route(logits, None, 3, "softmax", method, n_group, topk_group, True, 1.0)
+    torch.testing.assert_close(ids, hf_ids, rtol=0, atol=0)
+    torch.testing.assert_close(w, hf_w / (hf_w.sum(-1, keepdim=True) + 1e-20), rtol=0, atol=0)
+
+
+def test_route_noaux_tc_uses_bias_to_choose_only():
+    """A huge bias on one expert makes every token choose it, at its unbiased score."""
+    logits = torch.randn(T, E)
+    bias = torch.zeros(E)
+    bias[5] = 100.0
+    w, ids = route(logits, bias, 2, "sigmoid", "noaux_tc", 4, 2, False, 1.0)
+    scores = logits.sigmoid()
+    for t in range(T):
+        assert 5 in ids[t].tolist()
+        assert w[t, ids[t].tolist().index(5)].item() == scores[t, 5].item()
+
+
+# ---------------------------------------------------------------------------------------------
+# moe
+
+
+def loop_moe(hidden, gate_up_proj, down_proj, weights, ids):
+    """float64, one token and one routed expert at a time."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for t in range(hidden.shape[0]):
+        h = hidden[t].double()
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gate = gate_up_proj[e, :INTER].double() @ h
+            up = gate_up_proj[e, INTER:].double() @ h
+            out[t] += float(weights[t, k]) * (down_proj[e].double() @ (gate * torch.sigmoid(gate) * up))
+    return out
+
+
+def moe_args(m, hidden, routing, dtype=torch.float32):
+    _, scoring, method, n_group, topk_group, top_k, norm, scale = routing
+    logits = hf_route(m, hidden)[0]
+    # Non-contiguous expert weights: a transposed copy transposed back.
+    gate_up = m.experts.gate_up_proj.detach().transpose(1, 2).contiguous().transpose(1, 2).to(dtype)
+    down = m.experts.down_proj.detach().to(dtype)
+    return (hidden.to(dtype), logits, gate_up, down, bias_of(m), top_k, scoring, method, n_group, topk_group,
+            norm, scale)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("routing", ROUTINGS[:2] + ROUTINGS[3:4], ids=ROUTING_IDS[:2] + ROUTING_IDS[3:4])
+def test_moe_matches_loop(routing, dtype, tol):
+    m = hf_moe(*routing[1:])
+    hidden = torch.randn(T, HIDDEN + 4)[:, 2 : HIDDEN + 2]  # a non-contiguous slice
+    args = moe_args(m, hidden, routing, dtype)
+    out = moe_op(*args)
+    assert out.dtype == dtype and out.shape == (T, HIDDEN)
+    weights, ids = route(args[1], *args[4:])
+    expected = loop_moe(args[0], args[2], args[3], weights, ids)
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("routing", [ROUTINGS[1], ROUTINGS[3], ROUTINGS[5]], ids=["v2", "v3", "v3_one_group"])
+def test_moe_matches_transformers_experts(routing):
+    """transformers' MoE block minus its shared experts: gate -> experts."""
+    m = hf_moe(*routing[1:])
+    hidden = torch.randn(T, HIDDEN)
+    args = moe_args(m, hidden, routing)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, w, ids = m.gate(hidden)
+        expected = m.experts(hidden, ids, w)
+        full = m(hidden[None])[0] - m.shared_experts(hidden)
+    out = moe_op(*args)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5 * full.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    "routing,dtype",
+    [(ROUTINGS[0], torch.float32), (ROUTINGS[1], torch.bfloat16), (ROUTINGS[3], torch.float32),
+     (ROUTINGS[3], torch.bfloat16)],
+    ids=["v2_lite-fp32", "v2-bf16", "v3-fp32", "v3-bf16"],
+)
+def test_moe_opcheck(routing, dtype):
+    m = hf_moe(*routing[1:])
+    torch.library.opcheck(moe_op, moe_args(m, torch.randn(T, HIDDEN), routing, dtype))
+
+
+def test_moe_opcheck_noaux_tc_without_bias():
+    m = hf_moe(*ROUTINGS[3][1:])
+    args = list(moe_args(m, torch.randn(T, HIDDEN), ROUTINGS[3]))
+    args[4] = None
+    torch.library.opcheck(moe_op, tuple(args))
+
+
+def _moe_error_cases():
+    v3 = ROUTINGS[3]
+    m = hf_moe(*v3[1:])
+    h, logits, gu, down, bias = moe_args(m, torch.randn(T, HIDDEN), v3)[:5]
+    meta = "meta"
+
+    def args(**over):
+        base = dict(h=h, logits=logits, gu=gu, down=down, bias=bias, top_k=3, scoring="sigmoid",
+                    method="noaux_tc", n_group=4, topk_group=2, norm=True, scale=2.5)
+        base.update(over)
+        return tuple(base.values())
+
+    return [
+        ("hidden", args(h=h[None])),
+        ("hidden", args(h=h.double())),
+        ("router_logits", args(logits=logits[:-1])),  # T mismatch
+        ("router_logits", args(logits=logits.to(torch.bfloat16))),
+        ("router_logits", args(logits=logits.to(meta))),
+        ("gate_up_proj", args(gu=gu[:-1])),  # E mismatch with router_logits
+        ("gate_up_proj", args(gu=gu[..., :-1])),  # D mismatch
+        ("gate_up_proj", args(gu=gu[:, :-1])),  # odd 2I
+        ("gate_up_proj", args(gu=gu.to(torch.bfloat16))),
+        ("gate_up_proj", args(gu=gu.to(meta))),
+        ("down_proj", args(down=down[:-1])),  # E mismatch
+        ("down_proj", args(down=down[..., :-2])),  # I mismatch
+        ("down_proj", args(down=down.to(torch.bfloat16))),
+        ("down_proj", args(down=down.to(meta))),
+        ("e_score_correction_bias", args(bias=bias[:-1])),
+        ("e_score_correction_bias", args(bias=bias.double())),
+        ("e_score_correction_bias", args(bias=bias.to(meta))),
+        ("e_score_correction_bias", args(scoring="softmax", method="greedy")),  # bias unused there
+        ("scoring_func", args(scoring="relu")),
+        ("topk_method", args(method="topk")),
+        ("n_group", args(n_group=3)),  # does not divide E = 8
+        ("n_group", args(n_group=0)),
+        ("n_group", args(n_group=8, topk_group=4)),  # noaux_tc: 1 expert per group, needs 2
+        ("topk_group", args(topk_group=5)),  # > n_group
+        ("topk_group", args(topk_group=0)),
+        ("top_k", args(top_k=0)),
+        ("top_k", args(top_k=E + 1)),
+        ("top_k", args(top_k=5)),  # > the 2 kept groups * 2 experts
+        ("routed_scaling_factor", args(scale=0.0)),
+    ]
+
+
+@pytest.mark.parametrize("arg,args", _moe_error_cases())
+def test_moe_bad_input(arg, args):
+    helpers.assert_value_error(moe_op, args, helpers.arg_error(arg))
+
+
+@pytest.mark.parametrize(
+    "arg,args",
+    [
+        ("router_logits", (torch.randn(T, E).double(), None, 2, "softmax", "greedy", 1, 1, False, 1.0)),
+        ("top_k", (torch.randn(T, E), None, 9, "softmax", "greedy", 1, 1, False, 1.0)),
+        ("n_group", (torch.randn(T, E), None, 2, "softmax", "group_limited_greedy", 3, 1, False, 1.0)),
+    ],
+)
+def test_route_bad_input(arg, args):
+    helpers.assert_value_error(route, args, helpers.arg_error(arg))
+
+
+def test_moe_compile_matches_eager():
+    routing = ROUTINGS[3]
+    m = hf_moe(*routing[1:])
+    args = moe_args(m, torch.randn(T, HIDDEN), routing, torch.bfloat16)
+
+    def fn(hidden, *rest):
+        return moe_op(hidden * 2.0, *rest)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(*args), fn(*args), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_moe_cuda_graph_capture():
+    """The op captures in a CUDA graph (no host syncs) and replays on new tokens."""
+    routing = ROUTINGS[3]
+    m = hf_moe(*routing[1:])
+    args = moe_args(m, torch.randn(T, HIDDEN), routing)
+    args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe_op(*args)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_op(*args)
+    args[0].copy_(torch.randn_like(args[0]))
+    args[1].copy_(torch.randn_like(args[1]))
+    graph.replay()
+    torch.testing.assert_close(out, moe_op(*args), rtol=1e-5, atol=1e-5)
