@@ -1,0 +1,191 @@
+"""Multi-head Latent Attention (DeepSeek V2/V3) and the DSA indexer (V3.2), built from the ops.
+
+Notation: T new tokens, H heads, L = kv_lora_rank (512), R = qk_rope_head_dim (64),
+Dn = qk_nope_head_dim (128), Dv = v_head_dim (128), D = hidden size.
+
+Every method emits the same backend-neutral front: RoPE -> concat(q) -> latent cache write,
+then one attention op. The fusion passes (mlagraph.passes) rewrite that front into the backend's
+fused op inside Inductor; the model itself never branches on a platform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.backends import Backend
+from .batch import Batch, ForwardMethod
+from .config import DeepseekConfig
+
+mlagraph = torch.ops.mlagraph
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the input dtype (as DeepSeek and transformers do).
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+@dataclasses.dataclass
+class KVCaches:
+    """The paged caches of all layers. ``latent[i]``: [num_pages, page_size, row] in ``layout``;
+    ``index[i]`` (V3.2): [num_pages, page_size, row] in ``index_layout``; ``scale``: [1] float32
+    per-tensor scale of the ``fp8`` layout (None otherwise)."""
+
+    layout: str
+    latent: list[torch.Tensor]
+    scale: torch.Tensor | None
+    index_layout: str = "bf16"
+    index: list[torch.Tensor] | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.latent[0].shape[1]
+
+
+class Indexer(nn.Module):
+    """DSA lightning indexer: picks the index_topk keys each query attends to.
+
+    Weight names follow the Hugging Face checkpoints (self_attn.indexer.*).
+    """
+
+    def __init__(self, cfg: DeepseekConfig, backend: Backend):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.topk = cfg.index_topk
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        # softmax scale and head averaging folded into the per-head weights (both > 0, so
+        # ReLU(s * x) == s * ReLU(x) and the ranking is unchanged)
+        self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
+        self._cache_write = backend.op("indexer_cache_write")
+        self._topk = backend.op("indexer_topk")
+
+    def forward(
+        self, x: torch.Tensor, q_lora: torch.Tensor, batch: Batch, cos_sin: torch.Tensor,
+        k_cache: torch.Tensor, layout: str,
+    ) -> torch.Tensor:
+        """x [T,D], q_lora [T,q_lora_rank] -> top-k key positions [T, index_topk] int32 (-1 none)."""
+        T, R = x.shape[0], self.rope_dim
+        q = self.wq_b(q_lora).view(T, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x))  # [T, head_dim]
+        # NeoX (half-split) RoPE on the first R dims, unlike the main MLA's interleaved pairs.
+        q_rot, k_rot = mlagraph.rope(q[..., :R], k[:, None, :R], batch.positions, cos_sin, False)
+        q = torch.cat([q_rot, q[..., R:]], dim=-1)
+        k = torch.cat([k_rot[:, 0], k[:, R:]], dim=-1)
+        self._cache_write(k, k_cache, batch.slot_mapping, layout)
+        w = F.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, Hi]
+        return self._topk(q, w, k_cache, batch.req_ids, batch.positions, batch.block_table, layout, self.topk)
+
+
+class MLAttention(nn.Module):
+    """DeepSeek MLA. Weight names follow the Hugging Face checkpoints (self_attn.*)."""
+
+    def __init__(self, cfg: DeepseekConfig, backend: Backend):
+        super().__init__()
+        self.cfg = cfg
+        H, L, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.num_heads, self.kv_lora_rank, self.rope_dim = H, L, R
+        self.nope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.v_head_dim
+        self.softmax_scale = cfg.softmax_scale
+        self.interleaved = cfg.rope_interleave or cfg.model_type == "deepseek_v2"
+        bias = cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(cfg.hidden_size, H * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, L + R, bias=bias)
+        self.kv_a_layernorm = RMSNorm(L, 1e-6)
+        self.kv_b_proj = nn.Linear(L, H * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, cfg.hidden_size, bias=bias)
+        self.indexer = Indexer(cfg, backend) if cfg.uses_dsa else None
+        self._decode = backend.op("mla_decode")
+        self._prefill = backend.op("mha_prefill")
+        self._sparse = backend.op("sparse_mla")
+        self._cache_read = backend.op("latent_cache_read")
+
+    # --- pieces --------------------------------------------------------------------------
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_UK [H, Dn, L] (absorbed into q), W_UV [H, Dv, L]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def _expand_kv(self, kv_c: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents kv_c [S,L], k_rot [S,R] -> per-head k [S,H,Dn+R], v [S,H,Dv] for MHA."""
+        S = kv_c.shape[0]
+        kv = self.kv_b_proj(kv_c).view(S, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rot[:, None, :].expand(S, self.num_heads, self.rope_dim)], dim=-1)
+        return k, v
+
+    # --- forward -------------------------------------------------------------------------
+
+    def forward(
+        self, x: torch.Tensor, batch: Batch, cos_sin: torch.Tensor, caches: KVCaches, layer: int
+    ) -> torch.Tensor:
+        """x [T,D] -> [T,D]. Writes this step's latents (and indexer keys) into the caches."""
+        T, H, L, R = x.shape[0], self.num_heads, self.kv_lora_rank, self.rope_dim
+        kv_cache = caches.latent[layer]
+
+        q_lora = None
+        if self.cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q_lora = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_lora)
+        q_nope, q_pe = q.view(T, H, self.nope_dim + R).split([self.nope_dim, R], dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([L, R], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)
+
+        method = batch.method
+        w_uk, w_uv = self._w_uk_uv()
+        if method in (ForwardMethod.ABSORBED, ForwardMethod.SPARSE):
+            # Absorb W_UK into q so attention runs in the latent space: [T,H,Dn] x [H,Dn,L].
+            q_nope = torch.einsum("thd,hdl->thl", q_nope, w_uk)
+
+        # The backend-neutral front: RoPE -> concat -> cache write.
+        q_rot, k_rot = mlagraph.rope(q_pe, k_pe[:, None, :], batch.positions, cos_sin, self.interleaved)
+        q = torch.cat([q_nope, q_rot], dim=-1)  # [T, H, Dn+R] (MHA) or [T, H, L+R] (latent)
+        mlagraph.latent_cache_write(kv_c, k_rot[:, 0], kv_cache, batch.slot_mapping, caches.scale, caches.layout)
+
+        if method is ForwardMethod.MHA:
+            k, v = self._expand_kv(kv_c, k_rot[:, 0])
+            out, _ = self._prefill(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_q, self.softmax_scale, True)
+        elif method is ForwardMethod.MHA_PREFIX:
+            kv_all, pe_all = self._cache_read(
+                kv_cache, batch.block_table, batch.cu_seqlens_k, caches.scale, caches.layout, R, x.dtype,
+                batch.num_kv_tokens,
+            )
+            k, v = self._expand_kv(kv_all, pe_all)
+            out, _ = self._prefill(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k, self.softmax_scale, True)
+        else:
+            if method is ForwardMethod.ABSORBED:
+                B, s_q = batch.num_reqs, batch.plan.decode_q_len
+                o, _ = self._decode(
+                    q[..., :L].reshape(B, s_q, H, L), q[..., L:].reshape(B, s_q, H, R), kv_cache,
+                    batch.block_table, batch.seq_lens, caches.scale, caches.layout, self.softmax_scale,
+                )
+                o = o.reshape(T, H, L)
+            else:  # SPARSE
+                topk = self.indexer(x, q_lora, batch, cos_sin, caches.index[layer], caches.index_layout)
+                o, _ = self._sparse(
+                    q[..., :L], q[..., L:], kv_cache, topk, batch.req_ids, batch.block_table,
+                    caches.scale, caches.layout, self.softmax_scale,
+                )
+            out = torch.einsum("thl,hvl->thv", o, w_uv)  # back from latent to per-head values
+        return self.o_proj(out.reshape(T, H * self.v_dim))

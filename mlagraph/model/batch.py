@@ -1,0 +1,212 @@
+"""Batch metadata, the host-side batch plan, and the forward-method dispatch.
+
+The engine describes each step's batch with CPU-side facts only (how many new tokens each
+request brings, how many it already has in the cache, whether it is decoding). From those,
+once per batch and without reading any device tensor:
+
+- :func:`plan_batch` classifies the batch (:class:`BatchKind`) into a small frozen
+  :class:`BatchPlan`;
+- :func:`choose_forward_method` picks the attention method every layer runs — a pure function
+  of (backend capabilities, plan), pinned by a hermetic test over the whole matrix;
+- :func:`build_batch` materialises the device tensors (:class:`Batch`) the ops read.
+
+Nothing here reads an environment variable or a platform flag (DESIGN.md, lesson 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+import torch
+
+from ..ops.backends import Capabilities
+
+# A decode step brings at most this many new tokens per request (1, or a few when verifying
+# speculated tokens). Longer runs are prefill chunks.
+MAX_DECODE_Q_LEN = 8
+
+
+class BatchKind(enum.Enum):
+    PREFILL = "prefill"  # every request starts from an empty cache
+    CHUNKED_PREFILL = "chunked_prefill"  # prompt chunks, some over a cached prefix
+    DECODE = "decode"  # every request decodes one token
+    MULTI_TOKEN_DECODE = "multi_token_decode"  # every request decodes s_q > 1 tokens (verify)
+    MIXED = "mixed"  # decoding requests and prompt chunks together
+
+
+class ForwardMethod(enum.Enum):
+    MHA = "mha"  # dense MHA prefill over the new tokens (no prefix)
+    MHA_PREFIX = "mha_prefix"  # MHA over the cached prefix fetched back + the new tokens
+    ABSORBED = "absorbed"  # absorbed MLA over the paged latent cache (decode)
+    SPARSE = "sparse"  # DSA: indexer top-k, then sparse MLA over the paged latent cache
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """The only host-side facts that choose a code path. Hashable; small; made once per batch.
+
+    ``decode_q_len`` is the uniform number of new tokens per request for decode kinds (else 0).
+    ``dsa`` says the model runs DeepSeek Sparse Attention (V3.2).
+    """
+
+    kind: BatchKind
+    decode_q_len: int
+    dsa: bool
+
+
+class NoForwardMethod(ValueError):
+    """The backend's capabilities offer no way to run this batch."""
+
+
+def plan_batch(
+    q_lens: Sequence[int], prefix_lens: Sequence[int], is_decode: Sequence[bool], *, dsa: bool
+) -> BatchPlan:
+    """Classifies one batch from CPU metadata: per request, new tokens, cached tokens, decoding?"""
+    if not (len(q_lens) == len(prefix_lens) == len(is_decode)) or not q_lens:
+        raise ValueError(
+            f"plan_batch: expected equal, non-empty per-request lists, got {len(q_lens)}, "
+            f"{len(prefix_lens)}, {len(is_decode)}"
+        )
+    if any(q < 1 for q in q_lens):
+        raise ValueError(f"plan_batch: q_lens: expected every request to bring >= 1 token, got {list(q_lens)}")
+    if all(is_decode):
+        s_q = q_lens[0]
+        if any(q != s_q for q in q_lens) or s_q > MAX_DECODE_Q_LEN:
+            raise ValueError(
+                f"plan_batch: decode q_lens: expected one length <= {MAX_DECODE_Q_LEN} for all requests, "
+                f"got {list(q_lens)}"
+            )
+        kind = BatchKind.DECODE if s_q == 1 else BatchKind.MULTI_TOKEN_DECODE
+        return BatchPlan(kind, s_q, dsa)
+    if any(is_decode):
+        return BatchPlan(BatchKind.MIXED, 0, dsa)
+    if any(p > 0 for p in prefix_lens):
+        return BatchPlan(BatchKind.CHUNKED_PREFILL, 0, dsa)
+    return BatchPlan(BatchKind.PREFILL, 0, dsa)
+
+
+def choose_forward_method(caps: Capabilities, plan: BatchPlan) -> ForwardMethod:
+    """The attention method for every layer of this batch. Pure: capabilities x plan only."""
+    if plan.dsa:
+        if not caps.sparse_mla:
+            raise NoForwardMethod("backend has no sparse_mla, which DSA models (V3.2) need")
+        return ForwardMethod.SPARSE
+    if plan.kind is BatchKind.DECODE:
+        return ForwardMethod.ABSORBED
+    if plan.kind is BatchKind.MULTI_TOKEN_DECODE:
+        if caps.multi_token_decode:
+            return ForwardMethod.ABSORBED
+        if caps.mha_over_prefix:
+            return ForwardMethod.MHA_PREFIX
+        raise NoForwardMethod("backend has neither multi-token decode nor MHA over a prefix")
+    if plan.kind is BatchKind.PREFILL:
+        if caps.mha_prefill:
+            return ForwardMethod.MHA
+        raise NoForwardMethod("backend has no dense MHA prefill")
+    # CHUNKED_PREFILL and MIXED: queries over a cached prefix with ragged lengths.
+    if caps.mha_over_prefix:
+        return ForwardMethod.MHA_PREFIX
+    raise NoForwardMethod(f"backend has no MHA over a cached prefix, which {plan.kind.value} batches need")
+
+
+@dataclasses.dataclass
+class Batch:
+    """One step's inputs. Host ints first, then device tensors (T tokens, B requests, P pages).
+
+    Attributes:
+        plan, method: the host-side plan and the attention method chosen from it.
+        num_kv_tokens: sum of seq_lens (host int; the size of a fetched prefix read).
+        input_ids: [T] int64.  positions: [T] int64, position of each token in its request.
+        slot_mapping: [T] int64 cache slot of each new token (-1: padding, not written).
+        req_ids: [T] int32, the request (row of block_table) of each token.
+        block_table: [B, P] int32 page ids, -1 past the end.
+        seq_lens: [B] int32, cached + new tokens of each request after this step.
+        cu_seqlens_q: [B+1] int32 new tokens.  cu_seqlens_k: [B+1] int32 seq_lens.
+        logits_indices: [N] int64 rows of the hidden states to turn into logits.
+    """
+
+    plan: BatchPlan
+    method: ForwardMethod
+    num_kv_tokens: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    req_ids: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    logits_indices: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_reqs(self) -> int:
+        return self.block_table.shape[0]
+
+
+def build_batch(
+    caps: Capabilities,
+    token_ids: Sequence[Sequence[int]],
+    prefix_lens: Sequence[int],
+    pages: Sequence[Sequence[int]],
+    page_size: int,
+    *,
+    is_decode: Sequence[bool] | None = None,
+    dsa: bool = False,
+    all_logits: bool = False,
+    device: torch.device | str = "cpu",
+) -> Batch:
+    """Builds a batch from per-request new tokens, cached-prefix lengths and page lists.
+
+    ``token_ids[b]`` are request b's new tokens, at positions prefix_lens[b].. ; ``pages[b]``
+    its pages, enough for all of them. Logits are taken at each request's last new token, or
+    at every token with ``all_logits``.
+    """
+    n = len(token_ids)
+    is_decode = list(is_decode) if is_decode is not None else [False] * n
+    q_lens = [len(t) for t in token_ids]
+    plan = plan_batch(q_lens, prefix_lens, is_decode, dsa=dsa)
+    method = choose_forward_method(caps, plan)
+
+    input_ids, positions, slots, req_ids, seq_lens = [], [], [], [], []
+    for b, (toks, prefix, pg) in enumerate(zip(token_ids, prefix_lens, pages)):
+        total = prefix + len(toks)
+        if len(pg) * page_size < total:
+            raise ValueError(f"build_batch: request {b} needs {total} slots, has {len(pg)} pages of {page_size}")
+        input_ids += list(toks)
+        positions += range(prefix, total)
+        slots += [pg[p // page_size] * page_size + p % page_size for p in range(prefix, total)]
+        req_ids += [b] * len(toks)
+        seq_lens.append(total)
+    width = max(1, max(len(p) for p in pages))
+    table = [list(p) + [-1] * (width - len(p)) for p in pages]
+    cu_q = [0]
+    for q in q_lens:
+        cu_q.append(cu_q[-1] + q)
+    cu_k = [0]
+    for s in seq_lens:
+        cu_k.append(cu_k[-1] + s)
+    logits_rows = list(range(cu_q[-1])) if all_logits else [c - 1 for c in cu_q[1:]]
+
+    def t(x, dtype):
+        return torch.tensor(x, dtype=dtype, device=device)
+
+    return Batch(
+        plan=plan,
+        method=method,
+        num_kv_tokens=cu_k[-1],
+        input_ids=t(input_ids, torch.int64),
+        positions=t(positions, torch.int64),
+        slot_mapping=t(slots, torch.int64),
+        req_ids=t(req_ids, torch.int32),
+        block_table=t(table, torch.int32),
+        seq_lens=t(seq_lens, torch.int32),
+        cu_seqlens_q=t(cu_q, torch.int32),
+        cu_seqlens_k=t(cu_k, torch.int32),
+        logits_indices=t(logits_rows, torch.int64),
+    )

@@ -1,0 +1,209 @@
+"""DeepSeek V2 / V3 / V3.2 for causal LM, built only from mlagraph ops and plain PyTorch.
+
+Reads top-down: MLP and MoE, the decoder layer, the model. Parameter names equal the Hugging
+Face checkpoint names (routed experts are stacked; see loading.py), so ``state_dict()`` is the
+checkpoint minus the per-expert split.
+
+Shapes: T tokens of the batch (all requests packed), D hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import backends, layouts
+from ..ops.rope import rope_cos_sin_cache
+from .attention import KVCaches, MLAttention, RMSNorm
+from .batch import Batch
+from .config import DeepseekConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """The gate: float32 logits [T,E] (DeepSeek keeps the router in float32)."""
+
+    def __init__(self, cfg: DeepseekConfig):
+        super().__init__()
+        E = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=torch.float32))
+        if cfg.topk_method == "noaux_tc":
+            self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class MoE(nn.Module):
+    """Routed experts (one mlagraph.moe op) + shared experts."""
+
+    def __init__(self, cfg: DeepseekConfig, backend: backends.Backend):
+        super().__init__()
+        self.cfg = cfg
+        E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate = Router(cfg)
+        self.experts = nn.Module()  # stacked: gate_up_proj [E, 2I, D], down_proj [E, D, I]
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
+        self.experts.down_proj = nn.Parameter(torch.empty(E, D, I))
+        self.shared_experts = MLP(D, I * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self._moe = backend.op("moe")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        out = self._moe(
+            x, self.gate(x), self.experts.gate_up_proj, self.experts.down_proj, self.gate.e_score_correction_bias,
+            c.num_experts_per_tok, c.scoring_func, c.topk_method, c.n_group, c.topk_group, c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, layer: int, backend: backends.Backend):
+        super().__init__()
+        self.layer = layer
+        self.self_attn = MLAttention(cfg, backend)
+        self.mlp = MoE(cfg, backend) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, batch: Batch, cos_sin: torch.Tensor, caches: KVCaches) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, cos_sin, caches, self.layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, backend: backends.Backend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """DeepSeek-V2/V3/V3.2 over a paged latent cache.
+
+    Build with :meth:`from_config` (random weights) or :meth:`from_pretrained` (a local Hugging
+    Face directory). ``forward(batch, caches)`` runs one engine step and returns float32 logits
+    [len(batch.logits_indices), V]; the :class:`~mlagraph.model.Engine` makes batches and caches.
+    """
+
+    def __init__(self, cfg: DeepseekConfig, backend: str = "reference", kv_cache_dtype: str = "auto"):
+        super().__init__()
+        self.config = cfg
+        self.backend = backends.get(backend)
+        self.cache_layout = layouts.latent_layout_for(kv_cache_dtype)
+        if self.cache_layout not in self.backend.capabilities.latent_layouts:
+            raise ValueError(
+                f"kv_cache_dtype: backend {backend!r} supports cache layouts "
+                f"{sorted(self.backend.capabilities.latent_layouts)}, got {kv_cache_dtype!r} ({self.cache_layout})"
+            )
+        # Quantized latent caches get quantized indexer keys too (DeepSeek's 132-byte rows).
+        self.index_layout = "bf16" if self.cache_layout == "bf16" else "fp8"
+        self.model = DeepseekModel(cfg, self.backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        cos_sin = rope_cos_sin_cache(
+            cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
+        self.register_buffer("rope_cos_sin", cos_sin, persistent=False)  # [max_pos, R] float32
+
+    # --- construction --------------------------------------------------------------------
+
+    @classmethod
+    def from_config(
+        cls, hf_config, *, backend: str = "reference", dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu", kv_cache_dtype: str = "auto", seed: int = 0, init_std: float | None = None,
+    ) -> DeepseekForCausalLM:
+        """A randomly initialised model from a HF config (object, dict, or config.json path).
+
+        Linear and embedding weights ~ N(0, init_std) (default: the config's initializer_range,
+        else 0.02); norms are ones; the routing bias is small and random so it matters.
+        """
+        cfg = DeepseekConfig.from_hf(hf_config)
+        std = init_std if init_std is not None else _initializer_range(hf_config)
+        model = cls(cfg, backend=backend, kv_cache_dtype=kv_cache_dtype)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(torch.rand(b.shape, generator=g) * 0.1)
+        return model.to_device_dtype(device, dtype)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, backend: str = "reference", dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu", kv_cache_dtype: str = "auto", progress: bool = True,
+    ) -> DeepseekForCausalLM:
+        """Loads a local Hugging Face checkpoint directory (config.json + *.safetensors)."""
+        from .loading import load_checkpoint
+
+        cfg = DeepseekConfig.from_hf(path)
+        model = cls(cfg, backend=backend, kv_cache_dtype=kv_cache_dtype)
+        load_checkpoint(model, path, progress=progress)
+        return model.to_device_dtype(device, dtype)
+
+    def to_device_dtype(self, device, dtype: torch.dtype) -> DeepseekForCausalLM:
+        """Moves to ``device``; casts to ``dtype`` except the float32 router and RoPE table."""
+        self.to(device)
+        for name, p in self.named_parameters():
+            if not name.endswith("mlp.gate.weight"):
+                p.data = p.data.to(dtype)
+        self.dtype = dtype
+        return self.eval().requires_grad_(False)
+
+    def allocate_caches(self, num_pages: int, page_size: int) -> KVCaches:
+        """Zeroed paged caches for every layer: latent (and indexer keys for V3.2)."""
+        cfg, device = self.config, self.lm_head.weight.device
+        width = layouts.latent_row_width(self.cache_layout, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        dt = layouts.latent_storage_dtype(self.cache_layout, self.dtype)
+        latent = [torch.zeros(num_pages, page_size, width, dtype=dt, device=device) for _ in range(cfg.num_hidden_layers)]
+        scale = torch.ones(1, dtype=torch.float32, device=device) if self.cache_layout == "fp8" else None
+        index = None
+        if cfg.uses_dsa:
+            iw = layouts.indexer_row_width(self.index_layout, cfg.index_head_dim)
+            idt = layouts.indexer_storage_dtype(self.index_layout, self.dtype)
+            index = [torch.zeros(num_pages, page_size, iw, dtype=idt, device=device) for _ in range(cfg.num_hidden_layers)]
+        return KVCaches(self.cache_layout, latent, scale, self.index_layout, index)
+
+    # --- forward -------------------------------------------------------------------------
+
+    def forward(self, batch: Batch, caches: KVCaches) -> torch.Tensor:
+        """One step: batch.input_ids [T] -> float32 logits [N, V] at batch.logits_indices [N]."""
+        h = self.model.embed_tokens(batch.input_ids)  # [T, D]
+        for layer in self.model.layers:
+            h = layer(h, batch, self.rope_cos_sin, caches)
+        h = self.model.norm(h[batch.logits_indices])
+        return self.lm_head(h).float()
+
+
+def _initializer_range(hf_config) -> float:
+    if isinstance(hf_config, dict):
+        return float(hf_config.get("initializer_range", 0.02))
+    return float(getattr(hf_config, "initializer_range", 0.02))

@@ -1,0 +1,158 @@
+"""The forward method is a pure function of (capabilities, batch plan): the whole matrix, pinned.
+
+EXPECTTEST_ACCEPT=1 pytest tests/model/test_dispatch.py rewrites the table below after a
+deliberate change; any other change to an answer fails here.
+"""
+
+import dataclasses
+import itertools
+import os
+
+import expecttest
+import pytest
+
+from mlagraph.model.batch import (
+    BatchKind,
+    BatchPlan,
+    ForwardMethod,
+    NoForwardMethod,
+    build_batch,
+    choose_forward_method,
+    plan_batch,
+)
+from mlagraph.ops import backends
+
+SWITCHES = ("multi_token_decode", "mha_prefill", "mha_over_prefix", "sparse_mla")
+PLANS = [
+    BatchPlan(BatchKind.PREFILL, 0, False),
+    BatchPlan(BatchKind.CHUNKED_PREFILL, 0, False),
+    BatchPlan(BatchKind.DECODE, 1, False),
+    BatchPlan(BatchKind.MIXED, 0, False),
+    BatchPlan(BatchKind.MULTI_TOKEN_DECODE, 3, False),
+    BatchPlan(BatchKind.PREFILL, 0, True),
+    BatchPlan(BatchKind.DECODE, 1, True),
+    BatchPlan(BatchKind.MIXED, 0, True),
+]
+
+
+def _render_matrix() -> str:
+    base = backends.get("reference").capabilities
+    header = "caps(" + ",".join(s[:9] for s in SWITCHES) + ")"
+    lines = []
+    for bits in itertools.product((0, 1), repeat=len(SWITCHES)):
+        caps = dataclasses.replace(base, **{s: bool(b) for s, b in zip(SWITCHES, bits)})
+        answers = []
+        for plan in PLANS:
+            try:
+                answers.append(choose_forward_method(caps, plan).value)
+            except NoForwardMethod:
+                answers.append("-")
+        lines.append("".join(map(str, bits)) + ": " + " ".join(f"{a:<10}" for a in answers).rstrip())
+    cols = " ".join(f"{p.kind.value[:6] + ('/dsa' if p.dsa else ''):<10}" for p in PLANS).rstrip()
+    return "\n".join([header, "      " + cols, *lines])
+
+
+class TestDispatchMatrix(expecttest.TestCase):
+    def test_matrix(self):
+        self.assertExpectedInline(_render_matrix(), """\
+caps(multi_tok,mha_prefi,mha_over_,sparse_ml)
+      prefil     chunke     decode     mixed      multi_     prefil/dsa decode/dsa mixed/dsa
+0000: -          -          absorbed   -          -          -          -          -
+0001: -          -          absorbed   -          -          sparse     sparse     sparse
+0010: -          mha_prefix absorbed   mha_prefix mha_prefix -          -          -
+0011: -          mha_prefix absorbed   mha_prefix mha_prefix sparse     sparse     sparse
+0100: mha        -          absorbed   -          -          -          -          -
+0101: mha        -          absorbed   -          -          sparse     sparse     sparse
+0110: mha        mha_prefix absorbed   mha_prefix mha_prefix -          -          -
+0111: mha        mha_prefix absorbed   mha_prefix mha_prefix sparse     sparse     sparse
+1000: -          -          absorbed   -          absorbed   -          -          -
+1001: -          -          absorbed   -          absorbed   sparse     sparse     sparse
+1010: -          mha_prefix absorbed   mha_prefix absorbed   -          -          -
+1011: -          mha_prefix absorbed   mha_prefix absorbed   sparse     sparse     sparse
+1100: mha        -          absorbed   -          absorbed   -          -          -
+1101: mha        -          absorbed   -          absorbed   sparse     sparse     sparse
+1110: mha        mha_prefix absorbed   mha_prefix absorbed   -          -          -
+1111: mha        mha_prefix absorbed   mha_prefix absorbed   sparse     sparse     sparse""")
+
+
+def test_dispatch_ignores_environment(monkeypatch):
+    """No environment variable can change an answer (DESIGN.md lesson 1)."""
+    before = _render_matrix()
+    for var in ("MLAGRAPH_BACKEND", "SGLANG_USE_AITER", "VLLM_ROCM_USE_AITER", "MLAGRAPH_FORCE_SPARSE"):
+        monkeypatch.setenv(var, "1")
+    assert _render_matrix() == before
+
+
+@pytest.mark.parametrize(
+    "q_lens, prefix_lens, is_decode, kind",
+    [
+        ([5, 3], [0, 0], [False, False], BatchKind.PREFILL),
+        ([5, 3], [0, 4], [False, False], BatchKind.CHUNKED_PREFILL),
+        ([1, 1, 1], [7, 2, 9], [True, True, True], BatchKind.DECODE),
+        ([3, 3], [7, 2], [True, True], BatchKind.MULTI_TOKEN_DECODE),
+        ([1, 6], [7, 0], [True, False], BatchKind.MIXED),
+        ([1], [0], [False], BatchKind.PREFILL),  # a one-token prompt is a prefill, not a decode
+    ],
+)
+def test_plan_batch_kinds(q_lens, prefix_lens, is_decode, kind):
+    plan = plan_batch(q_lens, prefix_lens, is_decode, dsa=False)
+    assert plan.kind is kind
+    assert plan.decode_q_len == (q_lens[0] if kind in (BatchKind.DECODE, BatchKind.MULTI_TOKEN_DECODE) else 0)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (([], [], []), "non-empty"),
+        (([2, 0], [0, 0], [False, False]), "q_lens"),
+        (([1, 2], [3, 3], [True, True]), "decode q_lens"),
+        (([9], [3], [True]), "decode q_lens"),
+    ],
+)
+def test_plan_batch_rejects(args, match):
+    with pytest.raises(ValueError, match=match):
+        plan_batch(*args, dsa=False)
+
+
+def test_build_batch_metadata():
+    caps = backends.get("reference").capabilities
+    b = build_batch(caps, [[11, 12, 13], [21]], [0, 5], [[4], [7, 2]], page_size=4, is_decode=[False, True])
+    assert b.plan.kind is BatchKind.MIXED and b.method is ForwardMethod.MHA_PREFIX
+    assert b.input_ids.tolist() == [11, 12, 13, 21]
+    assert b.positions.tolist() == [0, 1, 2, 5]
+    assert b.slot_mapping.tolist() == [16, 17, 18, 2 * 4 + 1]  # request 1, position 5 -> page 2, offset 1
+    assert b.req_ids.tolist() == [0, 0, 0, 1]
+    assert b.block_table.tolist() == [[4, -1], [7, 2]]
+    assert b.seq_lens.tolist() == [3, 6]
+    assert b.cu_seqlens_q.tolist() == [0, 3, 4] and b.cu_seqlens_k.tolist() == [0, 3, 9]
+    assert b.num_kv_tokens == 9
+    assert b.logits_indices.tolist() == [2, 3]
+
+
+def test_backend_registry():
+    assert "reference" in backends.names()
+    ref = backends.get("reference")
+    assert ref.name == "reference"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ref.capabilities.sparse_mla = False
+    with pytest.raises(TypeError):
+        ref.capabilities.fallbacks["x"] = "y"
+    with pytest.raises(ValueError, match="unknown backend 'triton-nope'; known backends: reference"):
+        backends.get("triton-nope")
+    with pytest.raises(ValueError, match="no op 'flash'"):
+        ref.op("flash")
+
+
+def test_no_environment_reads_in_package():
+    """No module of the package reads the environment (lesson 1)."""
+    import mlagraph
+
+    root = os.path.dirname(mlagraph.__file__)
+    offenders = []
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                text = open(os.path.join(dirpath, f)).read()
+                if "os.environ" in text or "os.getenv" in text:
+                    offenders.append(f)
+    assert offenders == []
