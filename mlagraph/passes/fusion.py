@@ -1,0 +1,197 @@
+"""Rewrite passes: ``fuse_rope_concat_cache`` and ``eliminate_concat``.
+
+Both run on the post-grad graph (functional form: mutations are ``auto_functionalized(_v2)``
+nodes) and return ``{layer: matches}`` so the pass manager can report and check them. What
+they do is decided by the backend's capability table only.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..ops.backends import Backend
+from .graph_utils import (
+    _AF_V1,
+    _AF_V2,
+    forward_through_views,
+    is_auto_functionalized,
+    is_op,
+    layer_of,
+    mutated_base,
+    output_index,
+    stable_topological_sort,
+)
+
+ROPE = "mlagraph::rope"
+WRITE = "mlagraph::latent_cache_write"
+SPLIT_Q_CONSUMERS = ("mlagraph::mla_decode", "mlagraph::sparse_mla")
+
+
+def _cat_dim_is_last(cat: fx.Node) -> bool:
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    val = cat.meta.get("val")
+    return dim == -1 or (val is not None and dim == val.dim() - 1)
+
+
+def _count(counts: dict, layer) -> None:
+    counts[layer] = counts.get(layer, 0) + 1
+
+
+def fuse_rope_concat_cache(graph: fx.Graph, backend: Backend) -> dict[int | None, int]:
+    """rope -> cat(q_nope, q_rot) -> latent_cache_write  ==>  the backend's fused op.
+
+    Matches, per layer, a ``mlagraph.rope`` whose K output is written by ``latent_cache_write``
+    and whose Q output is concatenated after a ``q_nope``. The fused op takes the unrotated
+    inputs, rotates (it applies RoPE itself, as its capability table says), writes the cache
+    and returns q; the rotated K output is wired to the old K users only if the backend's fused
+    op returns K (else it stays unwired and ``lint_backend_ops`` rejects any consumer).
+    """
+    caps = backend.capabilities
+    counts: dict[int | None, int] = {}
+    if not caps.fused_rope_cache:
+        return counts
+    fused = backend.op("fused_rope_concat_cache_write").default
+    for write in list(graph.nodes):
+        if not (is_auto_functionalized(write) and is_op(write, WRITE)):
+            continue
+        rope, k_out = output_index(write.kwargs["k_pe"])
+        if not (is_op(rope, ROPE) and k_out == 1):
+            continue
+        q_rot = next((u for u in rope.users if u.target is operator.getitem and u.args[1] == 0), None)
+        k_rot = next((u for u in rope.users if u.target is operator.getitem and u.args[1] == 1), None)
+        cats = [u for u in (q_rot.users if q_rot else ()) if is_op(u, "aten::cat")]
+        if q_rot is None or len(cats) != 1 or len(q_rot.users) != 1:
+            continue
+        cat = cats[0]
+        tensors = cat.args[0]
+        if len(tensors) != 2 or tensors[1] is not q_rot or not _cat_dim_is_last(cat):
+            continue
+        q_nope = tensors[0]
+        q_pe, k_pe, positions, cos_sin, interleaved = rope.args[:5]
+        cache = mutated_base(write, "kv_cache")
+        kwargs = dict(
+            q_nope=q_nope, q_pe=q_pe, kv_c=write.kwargs["kv_c"], k_pe=k_pe, positions=positions,
+            cos_sin_cache=cos_sin, slot_mapping=write.kwargs["slot_mapping"], scale=write.kwargs["scale"],
+            layout=write.kwargs["layout"], interleaved=interleaved,
+        )
+        with graph.inserting_before(write):
+            if write.target is _AF_V2:
+                node = graph.call_function(
+                    _AF_V2, (fused,), {**kwargs, "_kv_cache_base_index": 0, "_all_bases": [cache]}
+                )
+            else:
+                node = graph.call_function(_AF_V1, (fused,), {**kwargs, "kv_cache": cache})
+            _copy_meta(write, node)
+            new_q = graph.call_function(operator.getitem, (node, 0))
+            new_k = graph.call_function(operator.getitem, (node, 1))
+            new_cache = graph.call_function(operator.getitem, (node, 2))
+        for n, src in ((new_q, cat), (new_k, k_rot), (new_cache, write)):
+            if src is not None:
+                _copy_meta(src, n)
+        # Inductor re-traces auto_functionalized nodes from their fake values: (q, k, new cache).
+        if "val" in cat.meta and "val" in rope.meta and "val" in write.meta:
+            node.meta["val"] = (cat.meta["val"], rope.meta["val"][1], write.meta["val"][-1])
+            new_k.meta["val"] = rope.meta["val"][1]
+            new_cache.meta["val"] = write.meta["val"][-1]
+        # the old write's only outputs are getitems of the cache's new value
+        for user in list(write.users):
+            user.replace_all_uses_with(new_cache)
+            graph.erase_node(user)
+        graph.erase_node(write)
+        cat.replace_all_uses_with(new_q)
+        graph.erase_node(cat)
+        if caps.fused_returns_k and k_rot is not None:
+            k_rot.replace_all_uses_with(new_k)
+        _count(counts, layer_of(node))
+    if counts:
+        stable_topological_sort(graph)
+        graph.eliminate_dead_code()
+    return counts
+
+
+def eliminate_concat(graph: fx.Graph, backend: Backend) -> dict[int | None, int]:
+    """Removes cat(q_latent, q_rot) when only a split-q attention op reads it back in halves.
+
+    With ``decode_q_split`` the absorbed decode (and sparse MLA) read q_nope and q_pe as two
+    tensors; concatenating q only to slice it again copies every query. Unfused: the slices
+    read the cat's operands instead. Fused: the fused op gets a zero-width q_nope (so its q
+    output is just the rotated q_pe) and the latent half reads the absorbed q directly.
+    Backends whose decode wants q concatenated keep the cat; Inductor then realizes the absorb
+    matmul straight into the concatenated buffer.
+    """
+    counts: dict[int | None, int] = {}
+    if not backend.capabilities.decode_q_split:
+        return counts
+    fused = backend.op("fused_rope_concat_cache_write").default
+    for node in list(graph.nodes):
+        fused_node = None
+        if is_op(node, "aten::cat") and len(node.args[0]) == 2 and _cat_dim_is_last(node):
+            q, (latent, rope_half) = node, node.args[0]
+        elif is_auto_functionalized(node) and node.args[0] is fused:
+            q = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), None)
+            if q is None:
+                continue
+            fused_node, latent, rope_half = node, node.kwargs["q_nope"], q
+        else:
+            continue
+        width = _last_dim(latent)
+        slices = list(q.users)
+        if width is None or not slices or not all(_is_last_dim_slice(u) for u in slices):
+            continue
+        bounds = [_slice_bounds(u) for u in slices]
+        if not all(b == (0, width) or (b[0] == width and b[1] >= (_last_dim(q) or 2**62)) for b in bounds):
+            continue
+        if not all(any(op_is_split_q_consumer(c) for c in forward_through_views(u)) for u in slices):
+            continue
+        if fused_node is not None:
+            with graph.inserting_before(fused_node):
+                empty = graph.call_function(torch.ops.aten.slice.Tensor, (latent, -1, 0, 0))
+            if "val" in latent.meta:
+                empty.meta["val"] = latent.meta["val"][..., :0]
+            fused_node.update_kwarg("q_nope", empty)
+            if "val" in q.meta:
+                q.meta["val"] = q.meta["val"][..., width:]
+                vals = fused_node.meta.get("val")
+                if vals is not None:
+                    fused_node.meta["val"] = (q.meta["val"], *vals[1:])
+        for u, (start, _) in zip(slices, bounds):
+            u.replace_all_uses_with(latent if start == 0 else rope_half)
+        _count(counts, layer_of(fused_node or q))
+    graph.eliminate_dead_code()
+    return counts
+
+
+def op_is_split_q_consumer(node: fx.Node) -> bool:
+    return any(is_op(node, name) for name in SPLIT_Q_CONSUMERS)
+
+
+def _is_last_dim_slice(node: fx.Node) -> bool:
+    if not is_op(node, "aten::slice"):
+        return False
+    dim = node.args[1] if len(node.args) > 1 else 0
+    val = node.meta.get("val")
+    return dim == -1 or (val is not None and dim == val.dim() - 1)
+
+
+def _slice_bounds(node: fx.Node) -> tuple[int, int]:
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else 2**63 - 1
+    return (start or 0), end
+
+
+def _last_dim(node) -> int | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if val is None:
+        return None
+    size = val.shape[-1]
+    return int(size) if isinstance(size, int) or not isinstance(size, torch.SymInt) else None
+
+
+def _copy_meta(src: fx.Node, dst: fx.Node) -> None:
+    """Provenance only: the new node's own values differ (no eager_input_vals / val copying)."""
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]

@@ -1,0 +1,143 @@
+"""Graph lints: prove, per layer, what the field got wrong (DESIGN.md lessons 1, 2 and 6).
+
+- ``lint_rope_once``: the main MLA q_pe and k_pe are rotated exactly once per layer (not
+  skipped, not twice: a rotation never feeds another rotation).
+- ``lint_write_once``: each layer writes its new tokens' latents to its cache exactly once.
+- ``lint_backend_ops``: no op private to another backend appears in this backend's graph, and
+  no fused op's missing output (a K it does not return) is consumed.
+
+Each raises :class:`LintError` naming the layer and the op.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from ..ops import backends as backend_registry
+from ..ops.backends import Backend
+from .graph_utils import forward_through_views, is_auto_functionalized, layer_of, mutated_base, op_name, view_root
+
+WRITE = "mlagraph::latent_cache_write"
+ATTENTION = ("mlagraph::mla_decode", "mlagraph::mha_prefill", "mlagraph::sparse_mla")
+
+
+class LintError(RuntimeError):
+    """A compiled graph breaks an mlagraph invariant."""
+
+
+def _where(node: fx.Node) -> str:
+    layer = layer_of(node)
+    return f"layer {layer if layer is not None else '?'} ({op_name(node) or node.target}, node {node.name})"
+
+
+def _rotations(backend: Backend) -> set[str]:
+    """Ops that apply RoPE: the generic rope op, and the backend's fused op when it rotates."""
+    names = {"mlagraph::rope"}
+    if backend.capabilities.fused_applies_rope:
+        names.add(backend.op_names["fused_rope_concat_cache_write"])
+    return names
+
+
+def _cache_writers(backend: Backend) -> set[str]:
+    names = {WRITE}
+    if backend.capabilities.fused_writes_cache:
+        names.add(backend.op_names["fused_rope_concat_cache_write"])
+    return names
+
+
+def _derives_from_rotation(node, rotations: set[str], depth: int = 0) -> bool:
+    """Does this value come (through views, getitems and cat operands) from a rotation?"""
+    if not isinstance(node, fx.Node) or depth > 64:
+        return False
+    node = view_root(node)
+    if node.op == "call_function" and node.target is operator.getitem:
+        return _derives_from_rotation(node.args[0], rotations, depth + 1)
+    name = op_name(node)
+    if name in rotations:
+        return True
+    if name == "aten::cat":
+        return any(_derives_from_rotation(a, rotations, depth + 1) for a in node.args[0])
+    return False
+
+
+def _reaches_latent_attention(node: fx.Node, writers: set[str]) -> bool:
+    return any(op_name(u) in writers or op_name(u) in ATTENTION for u in forward_through_views(node))
+
+
+def lint_rope_once(graph: fx.Graph, backend: Backend) -> None:
+    rotations, writers = _rotations(backend), _cache_writers(backend)
+    per_layer: dict[int | None, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if op_name(node) not in rotations:
+            continue
+        # Rotating something already rotated is RoPE applied twice.
+        rotated_inputs = [a for a in _rope_inputs(node) if _derives_from_rotation(a, rotations)]
+        if rotated_inputs:
+            raise LintError(f"lint_rope_once: RoPE applied twice in {_where(node)}: its input is already rotated")
+        if is_auto_functionalized(node) or _reaches_latent_attention(node, writers):
+            per_layer.setdefault(layer_of(node), []).append(node)
+    for writer in graph.nodes:
+        if op_name(writer) != WRITE:
+            continue
+        k_pe = writer.kwargs.get("k_pe") if is_auto_functionalized(writer) else writer.args[1]
+        if not _derives_from_rotation(k_pe, rotations):
+            raise LintError(f"lint_rope_once: RoPE skipped in {_where(writer)}: the cached k_pe is not rotated")
+    for layer, nodes in per_layer.items():
+        if len(nodes) > 1:
+            names = ", ".join(n.name for n in nodes)
+            raise LintError(f"lint_rope_once: layer {layer}: q_pe/k_pe rotated {len(nodes)} times ({names})")
+    for attn in graph.nodes:
+        if op_name(attn) in ("mlagraph::mla_decode", "mlagraph::sparse_mla"):
+            if not _derives_from_rotation(attn.args[1], rotations):
+                raise LintError(f"lint_rope_once: RoPE skipped in {_where(attn)}: q_pe is not rotated")
+
+
+def _rope_inputs(node: fx.Node) -> list:
+    if is_auto_functionalized(node):
+        return [node.kwargs.get("q_pe"), node.kwargs.get("k_pe")]
+    return list(node.args[:2])
+
+
+def lint_write_once(graph: fx.Graph, backend: Backend) -> None:
+    writers = _cache_writers(backend)
+    per_cache: dict[fx.Node, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if op_name(node) in writers:
+            base = mutated_base(node, "kv_cache") if is_auto_functionalized(node) else node.args[2]
+            per_cache.setdefault(view_root(base) if isinstance(base, fx.Node) else base, []).append(node)
+    for cache, nodes in per_cache.items():
+        if len(nodes) != 1:
+            where = ", ".join(_where(n) for n in nodes)
+            raise LintError(
+                f"lint_write_once: latent cache {getattr(cache, 'name', cache)} written {len(nodes)} times: {where}"
+            )
+
+
+def lint_backend_ops(graph: fx.Graph, backend: Backend) -> None:
+    own = set(backend.op_names.values())
+    foreign: dict[str, str] = {}
+    for name in backend_registry.names():
+        other = backend_registry._REGISTRY[name]
+        for q in other.owned_ops() - own:
+            foreign[q] = name
+    fused_name = backend.op_names["fused_rope_concat_cache_write"]
+    for node in graph.nodes:
+        name = op_name(node)
+        if name in foreign:
+            raise LintError(
+                f"lint_backend_ops: {_where(node)} is private to backend {foreign[name]!r}, "
+                f"not {backend.name!r}"
+            )
+        if name == fused_name and not backend.capabilities.fused_returns_k:
+            k_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1 and u.users]
+            if k_users:
+                consumers = ", ".join(u.name for k in k_users for u in k.users)
+                raise LintError(
+                    f"lint_backend_ops: {_where(node)} returns no K on backend {backend.name!r}, "
+                    f"but its K output is consumed by {consumers}"
+                )
+
+
+LINTS = {"lint_rope_once": lint_rope_once, "lint_write_once": lint_write_once, "lint_backend_ops": lint_backend_ops}

@@ -1,0 +1,138 @@
+"""The pass manager: an Inductor ``CustomGraphPass`` running mlagraph's passes for one backend.
+
+Its ``uuid()`` hashes the pass sources, the backend's name and capability table, and every
+setting the passes read, so Inductor's FX graph cache can never hand one backend's compiled
+graph to another (the seed bug of DESIGN.md lesson 1 in cache form).
+
+Every run appends a :class:`CompileReport` to a process-wide list: ``reports()`` returns the
+records of all compiles (newest last), ``last_report()`` those of the newest one. A requested
+fusion that matches in no layer warns, and raises with ``strict=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import os
+import warnings
+
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from ..ops.backends import Backend
+from . import fusion, lints
+from .render import render
+
+PASSES = {
+    "fuse_rope_concat_cache": fusion.fuse_rope_concat_cache,
+    "eliminate_concat": fusion.eliminate_concat,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PassRecord:
+    """One pass's matches in one layer of one compiled graph."""
+
+    graph: str  # which compiled graph: "<backend>#<n>"
+    pass_name: str
+    layer: int | None
+    count: int
+
+
+@dataclasses.dataclass
+class CompileReport:
+    graph: str
+    backend: str
+    records: list[PassRecord]
+    before: str  # canonical text (mlagraph.passes.render) before the passes
+    after: str  # ... and after
+
+
+_REPORTS: list[CompileReport] = []
+_COUNTER = itertools.count()
+
+
+def reports() -> list[PassRecord]:
+    """Records of every compile in this process, newest last."""
+    return [r for rep in _REPORTS for r in rep.records]
+
+
+def last_report() -> list[PassRecord]:
+    """Records of the newest compile (empty if nothing was compiled)."""
+    return list(_REPORTS[-1].records) if _REPORTS else []
+
+
+def last_compile() -> CompileReport | None:
+    """The newest compile's full report, with its graph before and after the passes."""
+    return _REPORTS[-1] if _REPORTS else None
+
+
+def clear_reports() -> None:
+    _REPORTS.clear()
+
+
+class FusionNotApplied(RuntimeError):
+    """strict=True: a fusion the backend asks for matched in no layer."""
+
+
+class MLAPassManager(CustomGraphPass):
+    """Runs the fusions the backend's capability table asks for, then the lints.
+
+    Args:
+        backend: the model's attention backend.
+        strict: raise (instead of warn) when a requested fusion matches nothing; lints on.
+        lint: run the lints (on in tests and with strict).
+        passes: names of the rewrite passes to run (default: all); ``()`` runs lints only.
+    """
+
+    def __init__(self, backend: Backend, *, strict: bool = False, lint: bool = True, passes=None):
+        self.backend = backend
+        self.strict = strict
+        self.lint = lint or strict
+        self.passes = tuple(PASSES) if passes is None else tuple(passes)
+        unknown = [p for p in self.passes if p not in PASSES]
+        if unknown:
+            raise ValueError(f"passes: unknown pass names {unknown}; known: {list(PASSES)}")
+
+    def __call__(self, graph: fx.Graph) -> None:
+        name = f"{self.backend.name}#{next(_COUNTER)}"
+        before = render(graph)
+        records = []
+        for pass_name in self.passes:
+            counts = PASSES[pass_name](graph, self.backend)
+            records += [PassRecord(name, pass_name, layer, n) for layer, n in sorted(counts.items(), key=_key)]
+            if self._requested(pass_name, graph) and not counts:
+                msg = f"mlagraph: requested fusion {pass_name!r} matched in no layer of graph {name}"
+                if self.strict:
+                    raise FusionNotApplied(msg)
+                warnings.warn(msg, stacklevel=2)
+        graph.lint()
+        if self.lint:
+            for lint in lints.LINTS.values():
+                lint(graph, self.backend)
+        _REPORTS.append(CompileReport(name, self.backend.name, records, before, render(graph)))
+
+    def _requested(self, pass_name: str, graph: fx.Graph) -> bool:
+        """A fusion is requested when the backend has it and the graph has the sequence's start."""
+        caps = self.backend.capabilities
+        has_write = any(fusion.is_op(n, fusion.WRITE) for n in graph.nodes)
+        if pass_name == "fuse_rope_concat_cache":
+            return caps.fused_rope_cache and has_write
+        return False  # eliminate_concat applies only to decode graphs; absence is not an error
+
+    def uuid(self) -> bytes:
+        h = hashlib.sha256()
+        here = os.path.dirname(__file__)
+        for f in sorted(os.listdir(here)):
+            if f.endswith(".py"):
+                with open(os.path.join(here, f), "rb") as fh:
+                    h.update(f.encode() + fh.read())
+        h.update(repr((self.backend.name, self.backend.capabilities, sorted(self.backend.op_names.items()))).encode())
+        h.update(repr((self.strict, self.lint, self.passes)).encode())
+        return h.hexdigest().encode()
+
+
+def _key(item):
+    layer, _ = item
+    return (layer is None, layer if layer is not None else 0)
