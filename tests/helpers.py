@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def make_block_table(
@@ -77,3 +78,57 @@ def opcheck(op, args, kwargs=None) -> None:
     """torch.library.opcheck with all four default checks, float8 arguments included."""
     with _fp8_aware_allclose():
         torch.library.opcheck(op, args, kwargs)
+
+
+_SYNC_OPS = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.item.default,
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten.unique_consecutive.default,
+    torch.ops.aten._unique2.default,
+    torch.ops.aten.equal.default,
+    torch.ops.aten.is_nonzero.default,
+}
+
+
+def _op_bodies() -> dict[str, Callable]:
+    """qualified name -> the Python body of every mlagraph custom op (to look inside them)."""
+    import importlib
+
+    bodies = {}
+    for mod in ("rope", "cache", "decode", "prefill", "sparse", "indexer", "moe"):
+        module = importlib.import_module(f"mlagraph.ops.{mod}")
+        for value in vars(module).values():
+            if isinstance(value, torch._library.custom_ops.CustomOpDef):
+                bodies[value._qualname] = value._init_fn
+    return bodies
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on any op that reads device data on the host (``.item()``, ``.tolist()``, nonzero,
+    boolean masks, device->CPU copies) — also INSIDE mlagraph's custom ops, whose Python bodies
+    it re-enters under itself. A step that passes is capturable in a CUDA graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.bodies = _op_bodies()
+        self.ops_seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SYNC_OPS:
+            raise AssertionError(f"host sync: {func}")
+        if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default):
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+                raise AssertionError(f"host sync: boolean-mask indexing via {func}")
+        if func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None:
+            src = args[0].device
+            if torch.device(kwargs["device"]).type == "cpu" and src.type != "cpu":
+                raise AssertionError(f"host sync: device -> cpu copy via {func}")
+        name = func._schema.name
+        if name in self.bodies:
+            self.ops_seen.append(name)
+            with self:
+                return self.bodies[name](*args, **kwargs)
+        return func(*args, **kwargs)

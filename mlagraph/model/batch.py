@@ -159,6 +159,7 @@ def build_batch(
     is_decode: Sequence[bool] | None = None,
     dsa: bool = False,
     all_logits: bool = False,
+    min_reqs: int = 1,
     device: torch.device | str = "cpu",
 ) -> Batch:
     """Builds a batch from per-request new tokens, cached-prefix lengths and page lists.
@@ -166,9 +167,20 @@ def build_batch(
     ``token_ids[b]`` are request b's new tokens, at positions prefix_lens[b].. ; ``pages[b]``
     its pages, enough for all of them. Logits are taken at each request's last new token, or
     at every token with ``all_logits``.
+
+    ``min_reqs`` pads the batch with empty requests (no pages, slot -1: nothing is read or
+    written for them, their logits rows come last and are to be ignored) and the block table
+    to at least 2 columns. Compiled engines pass 2: a size of 1 is a special case to
+    torch.compile's dynamic shapes, and padding keeps every batch size in one graph.
     """
     n = len(token_ids)
     is_decode = list(is_decode) if is_decode is not None else [False] * n
+    if n < min_reqs:
+        pad_len = len(token_ids[0]) if n and all(is_decode) else 1
+        token_ids = list(token_ids) + [[0] * pad_len] * (min_reqs - n)
+        prefix_lens = list(prefix_lens) + [0] * (min_reqs - n)
+        pages = list(pages) + [[]] * (min_reqs - n)
+        is_decode = is_decode + [all(is_decode)] * (min_reqs - n)
     q_lens = [len(t) for t in token_ids]
     plan = plan_batch(q_lens, prefix_lens, is_decode, dsa=dsa)
     method = choose_forward_method(caps, plan)
@@ -176,14 +188,18 @@ def build_batch(
     input_ids, positions, slots, req_ids, seq_lens = [], [], [], [], []
     for b, (toks, prefix, pg) in enumerate(zip(token_ids, prefix_lens, pages)):
         total = prefix + len(toks)
-        if len(pg) * page_size < total:
+        padding = b >= n
+        if not padding and len(pg) * page_size < total:
             raise ValueError(f"build_batch: request {b} needs {total} slots, has {len(pg)} pages of {page_size}")
         input_ids += list(toks)
         positions += range(prefix, total)
-        slots += [pg[p // page_size] * page_size + p % page_size for p in range(prefix, total)]
+        if padding:
+            slots += [-1] * len(toks)
+        else:
+            slots += [pg[p // page_size] * page_size + p % page_size for p in range(prefix, total)]
         req_ids += [b] * len(toks)
         seq_lens.append(total)
-    width = max(1, max(len(p) for p in pages))
+    width = max(min_reqs, 1, max(len(p) for p in pages))
     table = [list(p) + [-1] * (width - len(p)) for p in pages]
     cu_q = [0]
     for q in q_lens:

@@ -16,6 +16,15 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
 
 
+def read_config_file(hf: Any) -> Any:
+    """A path to config.json (or its directory) -> its dict; anything else is returned as is."""
+    if isinstance(hf, (str, os.PathLike)):
+        path = os.path.join(hf, "config.json") if os.path.isdir(hf) else hf
+        with open(path) as f:
+            return json.load(f)
+    return hf
+
+
 @dataclasses.dataclass(frozen=True)
 class DeepseekConfig:
     model_type: str
@@ -88,10 +97,7 @@ class DeepseekConfig:
     @classmethod
     def from_hf(cls, hf: Any) -> DeepseekConfig:
         """From a transformers config object, a config dict, or a path to config.json / its dir."""
-        if isinstance(hf, (str, os.PathLike)):
-            path = os.path.join(hf, "config.json") if os.path.isdir(hf) else hf
-            with open(path) as f:
-                hf = json.load(f)
+        hf = read_config_file(hf)
         if not isinstance(hf, dict):
             hf = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
         d = dict(hf)

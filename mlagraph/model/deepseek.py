@@ -19,7 +19,7 @@ from ..ops import backends, layouts
 from ..ops.rope import rope_cos_sin_cache
 from .attention import KVCaches, MLAttention, RMSNorm
 from .batch import Batch
-from .config import DeepseekConfig
+from .config import DeepseekConfig, read_config_file
 
 
 class MLP(nn.Module):
@@ -204,6 +204,7 @@ class DeepseekForCausalLM(nn.Module):
 
 
 def _initializer_range(hf_config) -> float:
+    hf_config = read_config_file(hf_config)
     if isinstance(hf_config, dict):
         return float(hf_config.get("initializer_range", 0.02))
     return float(getattr(hf_config, "initializer_range", 0.02))

@@ -89,24 +89,28 @@ class Engine:
         max_num_seqs: requests running at once.
         max_model_len: longest request (prompt + generated tokens).
         page_size: tokens per cache page.
-        compile: run the step through ``torch.compile`` (see mlagraph.compile).
+        compile: run the step through :func:`mlagraph.compile` (Inductor + mlagraph's passes),
+            fullgraph with dynamic token and request dimensions.
         cuda_graphs: capture decode steps in CUDA graphs (CUDA only).
         prefill_chunk_size: token budget per step; prompts longer than it are prefilled in
             chunks over their cached prefix. None: whole prompts in one step.
         num_pages: cache pages (default: enough for max_num_seqs full-length requests).
         seed: seed of the sampler's generator (temperature > 0).
+        compile_backend: with compile=True, "mlagraph" (Inductor) or "mlagraph_eager" (the
+            same passes on the AOT graph, executed without code generation).
     """
 
     def __init__(
         self, model: DeepseekForCausalLM, max_num_seqs: int = 8, max_model_len: int = 1024, page_size: int = 16,
         compile: bool = False, cuda_graphs: bool = False, prefill_chunk_size: int | None = None,
-        num_pages: int | None = None, seed: int = 0,
+        num_pages: int | None = None, seed: int = 0, compile_backend: str = "mlagraph",
     ):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("page_size", page_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine: {name}: expected a positive int, got {value!r}")
-        if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1):
-            raise ValueError(f"Engine: prefill_chunk_size: expected a positive int or None, got {prefill_chunk_size!r}")
+        for name, value in (("prefill_chunk_size", prefill_chunk_size), ("num_pages", num_pages)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"Engine: {name}: expected a positive int or None, got {value!r}")
         if max_model_len > model.config.max_position_embeddings:
             raise ValueError(
                 f"Engine: max_model_len: expected <= max_position_embeddings "
@@ -126,9 +130,16 @@ class Engine:
         self.caches = model.allocate_caches(self.num_pages, page_size)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.stats = StepStats()
-        if compile:
-            raise NotImplementedError("Engine: compile=True arrives with the torch.compile integration issue")
         self._step_fn = model
+        self._min_reqs = 1
+        if compile:
+            from ..compiler import compile as mlagraph_compile
+
+            # Dynamic token / request dimensions: one graph per batch-plan variant, whatever the
+            # batch size. Batches are padded to >= 2 requests because torch.compile treats a
+            # size of 1 as a special case (it would compile that size separately).
+            self._step_fn = mlagraph_compile(model, backend=compile_backend, fullgraph=True, dynamic=True)
+            self._min_reqs = 2
 
     # --- public API ----------------------------------------------------------------------
 
@@ -142,6 +153,11 @@ class Engine:
         ``logprobs`` are always computed (cheap); the flag is kept for API compatibility.
         """
         self._check_prompts(prompts)
+        for i, p in enumerate(prompts):
+            if len(p) >= self.max_model_len:
+                raise ValueError(
+                    f"prompts[{i}]: length {len(p)} leaves no room to generate within max_model_len={self.max_model_len}"
+                )
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"generate: max_new_tokens: expected a positive int, got {max_new_tokens!r}")
         if not isinstance(temperature, (int, float)) or temperature < 0 or not math.isfinite(temperature):
@@ -149,15 +165,19 @@ class Engine:
         stop = set(stop_token_ids or ())
         reqs = [_Request(i, list(p), len(p), max_new_tokens) for i, p in enumerate(prompts)]
         waiting, running = list(reqs), []
-        while waiting or running:
-            while waiting and len(running) < self.max_num_seqs:
-                running.append(waiting.pop(0))
-            sampled = self._step(running, all_logits=False)
-            for req, logits in sampled:
-                self._append_token(req, logits, temperature, stop)
-            for req in [r for r in running if r.finish_reason]:
+        try:
+            while waiting or running:
+                while waiting and len(running) < self.max_num_seqs:
+                    running.append(waiting.pop(0))
+                sampled = self._step(running, all_logits=False)
+                for req, logits in sampled:
+                    self._append_token(req, logits, temperature, stop)
+                for req in [r for r in running if r.finish_reason]:
+                    self._release(req)
+                    running.remove(req)
+        finally:  # on an error too: no request keeps its pages
+            for req in running:
                 self._release(req)
-                running.remove(req)
         return [GenerationOutput(r.tokens[r.prompt_len:], r.generated_logprobs, r.finish_reason, r.prompt_len) for r in reqs]
 
     @torch.no_grad()
@@ -227,7 +247,7 @@ class Engine:
         batch = build_batch(
             self.model.backend.capabilities, [t for _, t in plan], [r.num_cached for r, _ in plan],
             [r.pages for r, _ in plan], self.page_size, is_decode=[r.decoding for r, _ in plan],
-            dsa=self.model.config.uses_dsa, all_logits=all_logits, device=self.device,
+            dsa=self.model.config.uses_dsa, all_logits=all_logits, min_reqs=self._min_reqs, device=self.device,
         )
         t0 = time.perf_counter()
         with torch.no_grad():

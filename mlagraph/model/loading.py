@@ -62,6 +62,11 @@ def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, progress
     unexpected, misshaped = [], []
 
     files = checkpoint_files(path)
+    # A weight's fp8 scale may sit in another shard than the weight itself.
+    scale_files: dict[str, str] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            scale_files.update((k, file) for k in f.keys() if k.endswith("_scale_inv"))
     with tqdm(total=len(files), desc="loading checkpoint", unit="file", disable=not progress) as bar:
         for file in files:
             with safe_open(file, framework="pt") as f:
@@ -75,9 +80,14 @@ def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, progress
                     tensor = f.get_tensor(key)
                     if tensor.dtype == torch.float8_e4m3fn:
                         scale_key = key + "_scale_inv"
-                        if scale_key not in keys:
-                            raise ValueError(f"from_pretrained: fp8 weight {key!r} has no {scale_key!r} in {file}")
-                        tensor = _dequant_fp8(tensor, f.get_tensor(scale_key))
+                        if scale_key in keys:
+                            scale = f.get_tensor(scale_key)
+                        elif scale_key in scale_files:
+                            with safe_open(scale_files[scale_key], framework="pt") as g:
+                                scale = g.get_tensor(scale_key)
+                        else:
+                            raise ValueError(f"from_pretrained: fp8 weight {key!r} has no {scale_key!r} in {path!r}")
+                        tensor = _dequant_fp8(tensor, scale)
                     em = _EXPERT.match(key)
                     if em:
                         prefix, e, which = em.group(1), int(em.group(2)), em.group(3)
@@ -89,6 +99,7 @@ def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, progress
                         continue
                     if tuple(tensor.shape) != tuple(params[key].shape):
                         misshaped.append(f"{key}: expected {list(params[key].shape)}, got {list(tensor.shape)}")
+                        loaded.add(key)  # reported as mis-shaped, not again as missing
                         continue
                     with torch.no_grad():
                         params[key].copy_(tensor)
@@ -125,7 +136,7 @@ def _copy_expert(params, prefix, e, which, tensor, key, misshaped, unexpected) -
     dst = {"gate_proj": gate_up[e, :inter], "up_proj": gate_up[e, inter:], "down_proj": down[e]}[which]
     if tuple(tensor.shape) != tuple(dst.shape):
         misshaped.append(f"{key}: expected {list(dst.shape)}, got {list(tensor.shape)}")
-        return False
+        return True  # seen (and reported), so not reported again as a missing expert
     with torch.no_grad():
         dst.copy_(tensor)
     return True
