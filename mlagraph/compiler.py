@@ -101,4 +101,24 @@ def compile(model_or_fn, *, backend: str = "mlagraph", strict: bool = False, lin
     def compiler(gm, example_inputs):
         return fn(gm, example_inputs, mode=mode, options=options)
 
-    return torch.compile(model_or_fn, backend=compiler, **torch_compile_kwargs)
+    return _WithoutDuckShapes(torch.compile(model_or_fn, backend=compiler, **torch_compile_kwargs))
+
+
+class _WithoutDuckShapes:
+    """Calls a compiled function with duck shaping off.
+
+    By default dynamo gives two dimensions one symbol when they happen to be equal at the first
+    trace (a 1-token-per-request batch has as many tokens as logits rows) and recompiles when
+    they later differ. Our token, request and logits dimensions are independent, so we trace
+    them as such: one graph per batch-plan variant, for every size.
+    """
+
+    def __init__(self, compiled):
+        self._compiled = compiled
+
+    def __call__(self, *args, **kwargs):
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return self._compiled(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._compiled, name)

@@ -115,6 +115,20 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
+def unregister(name: str) -> Backend:
+    """Removes a registered backend and returns it (tests use it to undo a ``register``).
+
+    The registry is process-wide, and the graph lints and the compiler read all of it (an op
+    private to any registered backend is foreign in every other backend's graph), so a backend
+    registered for one test must be removed after it. ``"reference"`` cannot be removed.
+    """
+    if name == "reference":
+        raise ValueError("unregister: the 'reference' backend cannot be removed")
+    if name not in _REGISTRY:
+        raise ValueError(f"unregister: unknown backend {name!r}; known backends: {', '.join(_REGISTRY)}")
+    return _REGISTRY.pop(name)
+
+
 def names() -> list[str]:
     """Names of all registered backends (available or not), in registration order."""
     return list(_REGISTRY)

@@ -46,8 +46,9 @@ def fuse_rope_concat_cache(graph: fx.Graph, backend: Backend) -> dict[int | None
     Matches, per layer, a ``mlagraph.rope`` whose K output is written by ``latent_cache_write``
     and whose Q output is concatenated after a ``q_nope``. The fused op takes the unrotated
     inputs, rotates (it applies RoPE itself, as its capability table says), writes the cache
-    and returns q; the rotated K output is wired to the old K users only if the backend's fused
-    op returns K (else it stays unwired and ``lint_backend_ops`` rejects any consumer).
+    and returns q; the rotated K output is wired to the old K users when the backend's fused
+    op returns K. When it returns none, a layer whose K has other users is left unfused
+    (:func:`needs_missing_k`), and ``lint_backend_ops`` rejects any graph that reads that K.
     """
     caps = backend.capabilities
     counts: dict[int | None, int] = {}
@@ -62,6 +63,8 @@ def fuse_rope_concat_cache(graph: fx.Graph, backend: Backend) -> dict[int | None
             continue
         q_rot = next((u for u in rope.users if u.target is operator.getitem and u.args[1] == 0), None)
         k_rot = next((u for u in rope.users if u.target is operator.getitem and u.args[1] == 1), None)
+        if needs_missing_k(write, backend):
+            continue  # the fused op returns no K, and something besides the write reads it
         cats = [u for u in (q_rot.users if q_rot else ()) if is_op(u, "aten::cat")]
         if q_rot is None or len(cats) != 1 or len(q_rot.users) != 1:
             continue
@@ -110,6 +113,24 @@ def fuse_rope_concat_cache(graph: fx.Graph, backend: Backend) -> dict[int | None
         stable_topological_sort(graph)
         graph.eliminate_dead_code()
     return counts
+
+
+def needs_missing_k(write: fx.Node, backend: Backend) -> bool:
+    """Would fusing this write lose a K that is read elsewhere?
+
+    True when the backend's fused op returns no K (``fused_returns_k=False``, aiter's
+    contract) and the rotated k_pe this write stores has another consumer (MHA prefill's
+    keys). Such a layer keeps the unfused composition: fusing it would leave a second RoPE
+    for that consumer (RoPE applied twice, lesson 2), and wiring the empty K to it is the
+    null-K fault of lesson 1.
+    """
+    if backend.capabilities.fused_returns_k:
+        return False
+    rope, k_out = output_index(write.kwargs["k_pe"] if is_auto_functionalized(write) else write.args[1])
+    if not (is_op(rope, ROPE) and k_out == 1):
+        return False
+    k_rot = next((u for u in rope.users if u.target is operator.getitem and u.args[1] == 1), None)
+    return k_rot is not None and any(u is not write for u in forward_through_views(k_rot))
 
 
 def eliminate_concat(graph: fx.Graph, backend: Backend) -> dict[int | None, int]:

@@ -119,6 +119,38 @@ def mutated_base(node: fx.Node, arg: str) -> fx.Node | None:
     return kwarg_or_arg(node, arg, 2)
 
 
+def af_bases(node: fx.Node) -> list:
+    """The tensors an auto_functionalized node mutates, in the order of its extra outputs."""
+    if node.target is _AF_V2:
+        return list(node.kwargs["_all_bases"])
+    op = node.args[0]
+    return [node.kwargs[a.name] for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
+def tensor_root(node):
+    """The tensor a (functionally) mutated value started as, usually a graph input.
+
+    In functional form, a second write to a cache mutates the first write's output (the
+    cache's new value, ``getitem(auto_functionalized(...), i)`` past the op's own outputs), not
+    the graph input. This follows those new values, and views, back to the original tensor, so
+    two writes to one cache are seen as writes to the same tensor.
+    """
+    for _ in range(10_000):
+        if not isinstance(node, fx.Node):
+            return node
+        node = view_root(node)
+        if not (node.op == "call_function" and node.target is operator.getitem):
+            return node
+        producer, i = node.args
+        if not (isinstance(producer, fx.Node) and is_auto_functionalized(producer)):
+            return node
+        n_out = max(1, len(producer.args[0]._schema.returns))  # no returns: a None slot
+        if i < n_out:
+            return node
+        node = af_bases(producer)[i - n_out]
+    raise RuntimeError("tensor_root: cycle")
+
+
 def layer_of(node: fx.Node) -> int | None:
     """The decoder layer a node came from (dynamo's nn_module_stack), or None if unknown."""
     stack = node.meta.get("nn_module_stack") or {}

@@ -17,10 +17,14 @@ import torch.fx as fx
 
 from ..ops import backends as backend_registry
 from ..ops.backends import Backend
-from .graph_utils import forward_through_views, is_auto_functionalized, layer_of, mutated_base, op_name, view_root
+from .graph_utils import (
+    forward_through_views, is_auto_functionalized, layer_of, mutated_base, op_name, tensor_root, view_root,
+)
 
 WRITE = "mlagraph::latent_cache_write"
 ATTENTION = ("mlagraph::mla_decode", "mlagraph::mha_prefill", "mlagraph::sparse_mla")
+# ops that read the latent cache -> index of their kv_cache argument
+_CACHE_READERS = {"mlagraph::mla_decode": 2, "mlagraph::sparse_mla": 2, "mlagraph::latent_cache_read": 0}
 
 
 class LintError(RuntimeError):
@@ -63,7 +67,23 @@ def _derives_from_rotation(node, rotations: set[str], depth: int = 0) -> bool:
 
 
 def _reaches_latent_attention(node: fx.Node, writers: set[str]) -> bool:
-    return any(op_name(u) in writers or op_name(u) in ATTENTION for u in forward_through_views(node))
+    """Does this rotation's output reach the latent cache or an MLA attention op?
+
+    Looks through views, getitems and concatenations: MHA prefill reads k_pe through
+    cat(k_nope, k_rot), so a second rotation feeding only that K is still counted.
+    """
+    stack, seen = [node], set()
+    while stack:
+        for user in forward_through_views(stack.pop()):
+            if user in seen:
+                continue
+            seen.add(user)
+            name = op_name(user)
+            if name in writers or name in ATTENTION:
+                return True
+            if name == "aten::cat":
+                stack.append(user)
+    return False
 
 
 def lint_rope_once(graph: fx.Graph, backend: Backend) -> None:
@@ -86,8 +106,8 @@ def lint_rope_once(graph: fx.Graph, backend: Backend) -> None:
             raise LintError(f"lint_rope_once: RoPE skipped in {_where(writer)}: the cached k_pe is not rotated")
     for layer, nodes in per_layer.items():
         if len(nodes) > 1:
-            names = ", ".join(n.name for n in nodes)
-            raise LintError(f"lint_rope_once: layer {layer}: q_pe/k_pe rotated {len(nodes)} times ({names})")
+            where = ", ".join(_where(n) for n in nodes)
+            raise LintError(f"lint_rope_once: layer {layer}: q_pe/k_pe rotated {len(nodes)} times: {where}")
     for attn in graph.nodes:
         if op_name(attn) in ("mlagraph::mla_decode", "mlagraph::sparse_mla"):
             if not _derives_from_rotation(attn.args[1], rotations):
@@ -106,13 +126,24 @@ def lint_write_once(graph: fx.Graph, backend: Backend) -> None:
     for node in graph.nodes:
         if op_name(node) in writers:
             base = mutated_base(node, "kv_cache") if is_auto_functionalized(node) else node.args[2]
-            per_cache.setdefault(view_root(base) if isinstance(base, fx.Node) else base, []).append(node)
+            # a second functional write mutates the first one's output: same cache
+            per_cache.setdefault(tensor_root(base), []).append(node)
     for cache, nodes in per_cache.items():
         if len(nodes) != 1:
             where = ", ".join(_where(n) for n in nodes)
             raise LintError(
                 f"lint_write_once: latent cache {getattr(cache, 'name', cache)} written {len(nodes)} times: {where}"
             )
+    # A cache that attention reads must have been written this step (the new tokens' latents):
+    # zero writes means the step attends to stale rows.
+    for node in graph.nodes:
+        if op_name(node) in _CACHE_READERS:
+            cache = tensor_root(node.args[_CACHE_READERS[op_name(node)]])
+            if cache not in per_cache:
+                raise LintError(
+                    f"lint_write_once: {_where(node)} reads latent cache {getattr(cache, 'name', cache)}, "
+                    f"which this step never writes"
+                )
 
 
 def lint_backend_ops(graph: fx.Graph, backend: Backend) -> None:
@@ -140,4 +171,6 @@ def lint_backend_ops(graph: fx.Graph, backend: Backend) -> None:
                 )
 
 
-LINTS = {"lint_rope_once": lint_rope_once, "lint_write_once": lint_write_once, "lint_backend_ops": lint_backend_ops}
+# lint_backend_ops first: with another backend's op in the graph, the other lints' reading of
+# which op rotates and which writes is wrong, and the foreign op is the error to report.
+LINTS = {"lint_backend_ops": lint_backend_ops, "lint_rope_once": lint_rope_once, "lint_write_once": lint_write_once}

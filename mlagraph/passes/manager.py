@@ -114,9 +114,13 @@ class MLAPassManager(CustomGraphPass):
         _REPORTS.append(CompileReport(name, self.backend.name, records, before, render(graph)))
 
     def _requested(self, pass_name: str, graph: fx.Graph) -> bool:
-        """A fusion is requested when the backend has it and the graph has the sequence's start."""
+        """A fusion is requested when the backend has it and the graph has the sequence's start
+        (a latent cache write), unless the only writes are ones the backend's fused op cannot
+        serve because their K is read elsewhere and it returns none (aiter's MHA prefill)."""
         caps = self.backend.capabilities
-        has_write = any(fusion.is_op(n, fusion.WRITE) for n in graph.nodes)
+        has_write = any(
+            fusion.is_op(n, fusion.WRITE) and not fusion.needs_missing_k(n, self.backend) for n in graph.nodes
+        )
         if pass_name == "fuse_rope_concat_cache":
             return caps.fused_rope_cache and has_write
         return False  # eliminate_concat applies only to decode graphs; absence is not an error

@@ -1,0 +1,169 @@
+"""Golden graphs: what the passes did, pinned as canonical text (mlagraph.passes.render).
+
+How to read one: ``inputs: N tensors`` counts the graph's tensor inputs (in0 ...); each line is
+an mlagraph op (or aten.cat) in execution order, ``v3 = op(arg=value, ...)``; ``v3.1`` is its
+second output, ``~`` marks a view of a value, ``_`` a value computed by ordinary aten ops,
+``in14!`` a cache the op writes and ``in14'`` that cache after the write; ``# layer N`` opens a
+decoder layer. After the passes, each layer's rope + cat + latent_cache_write is one
+``fused_rope_concat_cache_write``; in decode graphs the concat is gone (the fused op gets a
+zero-width q_nope and the decode reads q_nope and the rotated q_pe separately).
+
+After a deliberate change: ``EXPECTTEST_ACCEPT=1 python -m pytest tests/compile/test_goldens.py``.
+"""
+
+from __future__ import annotations
+
+import expecttest
+import torch
+
+import mlagraph
+from mlagraph.model import DeepseekForCausalLM
+from mlagraph.model.batch import build_batch
+from tests.model.conftest import hf_config
+
+
+def _model(kind: str, layers: int) -> DeepseekForCausalLM:
+    cfg = hf_config(kind).to_dict()
+    cfg["num_hidden_layers"] = layers
+    return DeepseekForCausalLM.from_config(cfg, init_std=0.2)
+
+
+def _graphs(model: DeepseekForCausalLM, kind: str) -> tuple[str, str]:
+    """(before, after) canonical text of the compiled step for one batch kind."""
+    caps, ps = model.backend.capabilities, 4
+    caches = model.allocate_caches(32, ps)
+    dsa = model.config.uses_dsa
+    if kind == "prefill":
+        batch = build_batch(caps, [[1, 2, 3, 4, 5], [6, 7]], [0, 0], [[0, 1], [2]], ps, dsa=dsa)
+    elif kind == "chunked":
+        batch = build_batch(caps, [[1, 2, 3], [6, 7]], [4, 2], [[0, 1], [2]], ps, dsa=dsa)
+    else:
+        batch = build_batch(caps, [[1], [6]], [5, 2], [[0, 1], [2]], ps, is_decode=[True, True], dsa=dsa)
+    torch._dynamo.reset()
+    compiled = mlagraph.compile(model, backend="mlagraph_eager", fullgraph=True, dynamic=True, strict=True)
+    compiled(batch, caches)
+    report = mlagraph.passes.last_compile()
+    return report.before, report.after
+
+
+class TestGoldens(expecttest.TestCase):
+    def test_mla_layer_prefill(self):
+        before, after = _graphs(_model("v3", 1), "prefill")
+        self.assertExpectedInline(before, """\
+inputs: 27 tensors
+# layer 0
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=True)
+v1 = aten.cat([_, v0.0], -1)
+mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16')
+v2 = aten.cat([_, v0.1~], -1)
+v3 = mlagraph.mha_prefill(q=v1, k=v2, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)""")
+        self.assertExpectedInline(after, """\
+inputs: 27 tensors
+# layer 0
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v1 = aten.cat([_, v0.1~], -1)
+v2 = mlagraph.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)""")
+
+    def test_mla_layer_chunked_prefill(self):
+        before, after = _graphs(_model("v3", 1), "chunked")
+        self.assertExpectedInline(before, """\
+inputs: 29 tensors
+# layer 0
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=True)
+v1 = aten.cat([_, v0.0], -1)
+mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16')
+v2 = mlagraph.latent_cache_read(kv_cache=in14', block_table=in16, cu_seq_lens=in17, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
+v3 = aten.cat([_, v2.1~], -1)
+v4 = mlagraph.mha_prefill(q=v1, k=v3, v=_, cu_seqlens_q=in18, cu_seqlens_k=in17, softmax_scale=0.264642, causal=True)""")
+        self.assertExpectedInline(after, """\
+inputs: 29 tensors
+# layer 0
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.latent_cache_read(kv_cache=in14', block_table=in16, cu_seq_lens=in17, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
+v2 = aten.cat([_, v1.1~], -1)
+v3 = mlagraph.mha_prefill(q=v0.0, k=v2, v=_, cu_seqlens_q=in18, cu_seqlens_k=in17, softmax_scale=0.264642, causal=True)""")
+
+    def test_mla_layer_decode(self):
+        before, after = _graphs(_model("v3", 1), "decode")
+        self.assertExpectedInline(before, """\
+inputs: 28 tensors
+# layer 0
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=True)
+v1 = aten.cat([_, v0.0], -1)
+mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16')
+v2 = mlagraph.mla_decode(q_nope=v1~, q_pe=v1~, kv_cache=in14', block_table=in16, seq_lens=in17, scale=None, layout='bf16', softmax_scale=0.264642)""")
+        self.assertExpectedInline(after, """\
+inputs: 28 tensors
+# layer 0
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in14', block_table=in16, seq_lens=in17, scale=None, layout='bf16', softmax_scale=0.264642)""")
+
+    def test_v3_two_layers_prefill_after(self):
+        _, after = _graphs(_model("v3", 2), "prefill")
+        self.assertExpectedInline(after, """\
+inputs: 48 tensors
+# layer 0
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v1 = aten.cat([_, v0.1~], -1)
+v2 = mlagraph.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)
+# layer 1
+v3 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in33!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v4 = aten.cat([_, v3.1~], -1)
+v5 = mlagraph.mha_prefill(q=v3.0, k=v4, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)
+v6 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in38, down_proj=in39, e_score_correction_bias=in40, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)""")
+
+    def test_v3_two_layers_decode_after(self):
+        _, after = _graphs(_model("v3", 2), "decode")
+        self.assertExpectedInline(after, """\
+inputs: 49 tensors
+# layer 0
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in14', block_table=in16, seq_lens=in17, scale=None, layout='bf16', softmax_scale=0.264642)
+# layer 1
+v2 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in34!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v3 = mlagraph.mla_decode(q_nope=_, q_pe=v2.0~, kv_cache=in34', block_table=in16, seq_lens=in17, scale=None, layout='bf16', softmax_scale=0.264642)
+v4 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in39, down_proj=in40, e_score_correction_bias=in41, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)""")
+
+    def test_v32_two_layers_prefill_after(self):
+        _, after = _graphs(_model("v32", 2), "prefill")
+        self.assertExpectedInline(after, """\
+inputs: 63 tensors
+# layer 0
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
+v2 = aten.cat([v1.0, _], -1)
+v3 = aten.cat([v1.1~, _], -1)
+mlagraph.indexer_cache_write(k=v3, k_cache=in20!, slot_mapping=in15, layout='bf16')
+v4 = mlagraph.indexer_topk(q=v2, weights=_, k_cache=in20', req_ids=in23, positions=in13, block_table=in24, layout='bf16', topk=12)
+v5 = mlagraph.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in14', topk_indices=v4, req_ids=in23, block_table=in24, scale=None, layout='bf16', softmax_scale=0.264642)
+# layer 1
+v6 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in41!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v7 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
+v8 = aten.cat([v7.0, _], -1)
+v9 = aten.cat([v7.1~, _], -1)
+mlagraph.indexer_cache_write(k=v9, k_cache=in46!, slot_mapping=in15, layout='bf16')
+v10 = mlagraph.indexer_topk(q=v8, weights=_, k_cache=in46', req_ids=in23, positions=in13, block_table=in24, layout='bf16', topk=12)
+v11 = mlagraph.sparse_mla(q_nope=_, q_pe=v6.0, kv_cache=in41', topk_indices=v10, req_ids=in23, block_table=in24, scale=None, layout='bf16', softmax_scale=0.264642)
+v12 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in53, down_proj=in54, e_score_correction_bias=in55, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)""")
+
+    def test_v32_two_layers_decode_after(self):
+        _, after = _graphs(_model("v32", 2), "decode")
+        self.assertExpectedInline(after, """\
+inputs: 63 tensors
+# layer 0
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
+v2 = aten.cat([v1.0, _], -1)
+v3 = aten.cat([v1.1~, _], -1)
+mlagraph.indexer_cache_write(k=v3, k_cache=in20!, slot_mapping=in15, layout='bf16')
+v4 = mlagraph.indexer_topk(q=v2, weights=_, k_cache=in20', req_ids=in23, positions=in13, block_table=in24, layout='bf16', topk=12)
+v5 = mlagraph.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in14', topk_indices=v4, req_ids=in23, block_table=in24, scale=None, layout='bf16', softmax_scale=0.264642)
+# layer 1
+v6 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in41!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v7 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
+v8 = aten.cat([v7.0, _], -1)
+v9 = aten.cat([v7.1~, _], -1)
+mlagraph.indexer_cache_write(k=v9, k_cache=in46!, slot_mapping=in15, layout='bf16')
+v10 = mlagraph.indexer_topk(q=v8, weights=_, k_cache=in46', req_ids=in23, positions=in13, block_table=in24, layout='bf16', topk=12)
+v11 = mlagraph.sparse_mla(q_nope=_, q_pe=v6.0, kv_cache=in41', topk_indices=v10, req_ids=in23, block_table=in24, scale=None, layout='bf16', softmax_scale=0.264642)
+v12 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in53, down_proj=in54, e_score_correction_bias=in55, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)""")
