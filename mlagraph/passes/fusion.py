@@ -97,6 +97,7 @@ def fuse_rope_concat_cache(graph: fx.Graph, backend: Backend) -> dict[int | None
         # Inductor re-traces auto_functionalized nodes from their fake values: (q, k, new cache).
         if "val" in cat.meta and "val" in rope.meta and "val" in write.meta:
             node.meta["val"] = (cat.meta["val"], rope.meta["val"][1], write.meta["val"][-1])
+            new_q.meta["val"] = cat.meta["val"]
             new_k.meta["val"] = rope.meta["val"][1]
             new_cache.meta["val"] = write.meta["val"][-1]
         # the old write's only outputs are getitems of the cache's new value
@@ -173,11 +174,13 @@ def eliminate_concat(graph: fx.Graph, backend: Backend) -> dict[int | None, int]
             if "val" in latent.meta:
                 empty.meta["val"] = latent.meta["val"][..., :0]
             fused_node.update_kwarg("q_nope", empty)
-            if "val" in q.meta:
-                q.meta["val"] = q.meta["val"][..., width:]
-                vals = fused_node.meta.get("val")
-                if vals is not None:
-                    fused_node.meta["val"] = (q.meta["val"], *vals[1:])
+            # q is now just the rotated q_pe: shape and dtype of q_pe (Inductor re-traces the
+            # fused node from these values, so they must be exact)
+            q_pe_val = fused_node.kwargs["q_pe"].meta.get("val")
+            vals = fused_node.meta.get("val")
+            if q_pe_val is not None and vals is not None:
+                q.meta["val"] = q_pe_val.new_empty(q_pe_val.shape)
+                fused_node.meta["val"] = (q.meta["val"], *vals[1:])
         for u, (start, _) in zip(slices, bounds):
             u.replace_all_uses_with(latent if start == 0 else rope_half)
         _count(counts, layer_of(fused_node or q))

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import itertools
 import os
+import time
 import warnings
 
 import torch.fx as fx
@@ -47,6 +48,7 @@ class CompileReport:
     records: list[PassRecord]
     before: str  # canonical text (mlagraph.passes.render) before the passes
     after: str  # ... and after
+    seconds: float = 0.0  # time spent in the passes, lints and rendering
 
 
 _REPORTS: list[CompileReport] = []
@@ -96,6 +98,7 @@ class MLAPassManager(CustomGraphPass):
             raise ValueError(f"passes: unknown pass names {unknown}; known: {list(PASSES)}")
 
     def __call__(self, graph: fx.Graph) -> None:
+        start = time.perf_counter()
         name = f"{self.backend.name}#{next(_COUNTER)}"
         before = render(graph)
         records = []
@@ -111,7 +114,8 @@ class MLAPassManager(CustomGraphPass):
         if self.lint:
             for lint in lints.LINTS.values():
                 lint(graph, self.backend)
-        _REPORTS.append(CompileReport(name, self.backend.name, records, before, render(graph)))
+        after = render(graph)
+        _REPORTS.append(CompileReport(name, self.backend.name, records, before, after, time.perf_counter() - start))
 
     def _requested(self, pass_name: str, graph: fx.Graph) -> bool:
         """A fusion is requested when the backend has it and the graph has the sequence's start
