@@ -119,6 +119,12 @@ def mutated_base(node: fx.Node, arg: str) -> fx.Node | None:
     return kwarg_or_arg(node, arg, 2)
 
 
+def af_num_outputs(node: fx.Node) -> int:
+    """How many of an auto_functionalized node's outputs are the op's own (the mutated tensors'
+    new values follow). An op returning nothing still has one (None) slot."""
+    return max(1, len(node.args[0]._schema.returns))
+
+
 def af_bases(node: fx.Node) -> list:
     """The tensors an auto_functionalized node mutates, in the order of its extra outputs."""
     if node.target is _AF_V2:
@@ -144,7 +150,7 @@ def tensor_root(node):
         producer, i = node.args
         if not (isinstance(producer, fx.Node) and is_auto_functionalized(producer)):
             return node
-        n_out = max(1, len(producer.args[0]._schema.returns))  # no returns: a None slot
+        n_out = af_num_outputs(producer)
         if i < n_out:
             return node
         node = af_bases(producer)[i - n_out]

@@ -21,7 +21,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from .graph_utils import is_auto_functionalized, is_view, layer_of, op_of, op_name, schema_arg_names
+from .graph_utils import (
+    af_bases, af_num_outputs, is_auto_functionalized, is_view, layer_of, mutated_base, op_of, op_name, schema_arg_names,
+)
 
 _SHOWN_ATEN = {"aten::cat"}
 
@@ -52,9 +54,9 @@ def render(graph_or_module: fx.Graph | fx.GraphModule) -> str:
             if x.op == "call_function" and x.target is operator.getitem:
                 producer, i = x.args
                 if is_auto_functionalized(producer):
-                    n_out = max(1, len(op_of(producer)._schema.returns))  # no returns: a None slot
+                    n_out = af_num_outputs(producer)
                     if i >= n_out:  # the mutated tensor's new value: "in12'" = in12 after the write
-                        return ref(_af_bases(producer)[i - n_out]) + "'"
+                        return ref(af_bases(producer)[i - n_out]) + "'"
                 if producer in names:
                     return f"{names[producer]}.{i}"
             if is_view(x) and isinstance(x.args[0], fx.Node):
@@ -101,26 +103,12 @@ def render(graph_or_module: fx.Graph | fx.GraphModule) -> str:
     return "\n".join(lines)
 
 
-def _af_bases(node: fx.Node) -> list:
-    """The tensors an auto_functionalized node mutates, in the order of its extra outputs."""
-    if "_all_bases" in node.kwargs:  # v2
-        return list(node.kwargs["_all_bases"])
-    op = node.args[0]
-    return [node.kwargs[a.name] for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-
-
 def _af_arguments(node: fx.Node, op) -> dict:
     """An auto_functionalized node's op arguments, mutated ones rendered as ``base!``."""
     values = dict(node.kwargs)
-    marked = {}
     for arg in op._schema.arguments:
         if arg.alias_info is not None and arg.alias_info.is_write:
-            if "_all_bases" in node.kwargs:  # v2
-                base = node.kwargs["_all_bases"][node.kwargs[f"_{arg.name}_base_index"]]
-            else:  # v1
-                base = node.kwargs[arg.name]
-            marked[arg.name] = _Marked(base)
-    values.update(marked)
+            values[arg.name] = _Marked(mutated_base(node, arg.name))
     return values
 
 
@@ -130,5 +118,4 @@ class _Marked:
 
 
 def _af_op_outputs_used(node: fx.Node, op) -> bool:
-    n_out = max(1, len(op._schema.returns))
-    return any(u.target is operator.getitem and u.args[1] < n_out for u in node.users)
+    return any(u.target is operator.getitem and u.args[1] < af_num_outputs(node) for u in node.users)
