@@ -35,7 +35,7 @@ def _attention_backend(gm: torch.fx.GraphModule, name: str | None) -> backends.B
     if name is not None:
         return backends.get(name)
     present = {op_name(n) for n in gm.graph.nodes}
-    owners = [b for b in backends.names() if backends._REGISTRY[b].owned_ops() & present]
+    owners = [b.name for b in backends.registered() if b.owned_ops() & present]
     if len(owners) > 1:
         raise ValueError(f"mlagraph backend: the graph mixes ops private to backends {owners}")
     return backends.get(owners[0] if owners else "reference")

@@ -129,6 +129,11 @@ def unregister(name: str) -> Backend:
     return _REGISTRY.pop(name)
 
 
+def registered() -> list[Backend]:
+    """Every registered backend, available or not (graph lints check all their private ops)."""
+    return list(_REGISTRY.values())
+
+
 def names() -> list[str]:
     """Names of all registered backends (available or not), in registration order."""
     return list(_REGISTRY)

@@ -149,10 +149,9 @@ def lint_write_once(graph: fx.Graph, backend: Backend) -> None:
 def lint_backend_ops(graph: fx.Graph, backend: Backend) -> None:
     own = set(backend.op_names.values())
     foreign: dict[str, str] = {}
-    for name in backend_registry.names():
-        other = backend_registry._REGISTRY[name]
+    for other in backend_registry.registered():
         for q in other.owned_ops() - own:
-            foreign[q] = name
+            foreign[q] = other.name
     fused_name = backend.op_names["fused_rope_concat_cache_write"]
     for node in graph.nodes:
         name = op_name(node)
