@@ -73,6 +73,17 @@ class Indexer(nn.Module):
         self._cache_write = backend.op("indexer_cache_write")
         self._topk = backend.op("indexer_topk")
 
+    def write_keys(
+        self, x: torch.Tensor, batch: Batch, cos_sin: torch.Tensor, k_cache: torch.Tensor, layout: str
+    ) -> None:
+        """Only the indexer-key cache write (the dense DSA variant): later sparse steps read
+        these keys, so a dense step must still write them (DESIGN.md lesson 8)."""
+        T, R = x.shape[0], self.rope_dim
+        k = self.k_norm(self.wk(x))  # [T, head_dim]
+        no_q = k.new_empty(T, 0, R)  # no query heads: the dense step scores nothing
+        _, k_rot = mlagraph.rope(no_q, k[:, None, :R], batch.positions, cos_sin, False)
+        self._cache_write(torch.cat([k_rot[:, 0], k[:, R:]], dim=-1), k_cache, batch.slot_mapping, layout)
+
     def forward(
         self, x: torch.Tensor, q_lora: torch.Tensor, batch: Batch, cos_sin: torch.Tensor,
         k_cache: torch.Tensor, layout: str,
@@ -162,6 +173,9 @@ class MLAttention(nn.Module):
         q_rot, k_rot = mlagraph.rope(q_pe, k_pe[:, None, :], batch.positions, cos_sin, self.interleaved)
         q = torch.cat([q_nope, q_rot], dim=-1)  # [T, H, Dn+R] (MHA) or [T, H, L+R] (latent)
         mlagraph.latent_cache_write(kv_c, k_rot[:, 0], kv_cache, batch.slot_mapping, caches.scale, caches.layout)
+        if self.indexer is not None and method is not ForwardMethod.SPARSE:
+            # DSA model, dense plan (every key fits in index_topk): no scoring, keys still cached
+            self.indexer.write_keys(x, batch, cos_sin, caches.index[layer], caches.index_layout)
 
         if method is ForwardMethod.MHA:
             k, v = self._expand_kv(kv_c, k_rot[:, 0])

@@ -48,12 +48,15 @@ class BatchPlan:
     """The only host-side facts that choose a code path. Hashable; small; made once per batch.
 
     ``decode_q_len`` is the uniform number of new tokens per request for decode kinds (else 0).
-    ``dsa`` says the model runs DeepSeek Sparse Attention (V3.2).
+    ``dsa`` says the model runs DeepSeek Sparse Attention (V3.2); ``dsa_dense`` that this batch
+    may run dense attention instead: every request's kv length (cached + new tokens) is at most
+    the dense limit (index_topk by default, where top-k keeps every key: dense == sparse exactly).
     """
 
     kind: BatchKind
     decode_q_len: int
     dsa: bool
+    dsa_dense: bool = False  # DSA model, and every request's kv length fits the dense limit
 
 
 class NoForwardMethod(ValueError):
@@ -61,9 +64,15 @@ class NoForwardMethod(ValueError):
 
 
 def plan_batch(
-    q_lens: Sequence[int], prefix_lens: Sequence[int], is_decode: Sequence[bool], *, dsa: bool
+    q_lens: Sequence[int], prefix_lens: Sequence[int], is_decode: Sequence[bool], *, dsa: bool,
+    dsa_dense_max_kv_len: int = 0,
 ) -> BatchPlan:
-    """Classifies one batch from CPU metadata: per request, new tokens, cached tokens, decoding?"""
+    """Classifies one batch from CPU metadata: per request, new tokens, cached tokens, decoding?
+
+    For DSA models, ``dsa_dense_max_kv_len`` (the engine passes index_topk unless told
+    otherwise) makes the batch dense when no request's kv length exceeds it. A batch with any
+    longer request stays sparse for all of its requests (splitting mixed batches: to do).
+    """
     if not (len(q_lens) == len(prefix_lens) == len(is_decode)) or not q_lens:
         raise ValueError(
             f"plan_batch: expected equal, non-empty per-request lists, got {len(q_lens)}, "
@@ -71,6 +80,7 @@ def plan_batch(
         )
     if any(q < 1 for q in q_lens):
         raise ValueError(f"plan_batch: q_lens: expected every request to bring >= 1 token, got {list(q_lens)}")
+    dense = dsa and max(p + q for p, q in zip(prefix_lens, q_lens)) <= dsa_dense_max_kv_len
     if all(is_decode):
         s_q = q_lens[0]
         if any(q != s_q for q in q_lens) or s_q > MAX_DECODE_Q_LEN:
@@ -79,17 +89,17 @@ def plan_batch(
                 f"got {list(q_lens)}"
             )
         kind = BatchKind.DECODE if s_q == 1 else BatchKind.MULTI_TOKEN_DECODE
-        return BatchPlan(kind, s_q, dsa)
+        return BatchPlan(kind, s_q, dsa, dense)
     if any(is_decode):
-        return BatchPlan(BatchKind.MIXED, 0, dsa)
+        return BatchPlan(BatchKind.MIXED, 0, dsa, dense)
     if any(p > 0 for p in prefix_lens):
-        return BatchPlan(BatchKind.CHUNKED_PREFILL, 0, dsa)
-    return BatchPlan(BatchKind.PREFILL, 0, dsa)
+        return BatchPlan(BatchKind.CHUNKED_PREFILL, 0, dsa, dense)
+    return BatchPlan(BatchKind.PREFILL, 0, dsa, dense)
 
 
 def choose_forward_method(caps: Capabilities, plan: BatchPlan) -> ForwardMethod:
     """The attention method for every layer of this batch. Pure: capabilities x plan only."""
-    if plan.dsa:
+    if plan.dsa and not plan.dsa_dense:
         if not caps.sparse_mla:
             raise NoForwardMethod("backend has no sparse_mla, which DSA models (V3.2) need")
         return ForwardMethod.SPARSE
@@ -158,6 +168,7 @@ def build_batch(
     *,
     is_decode: Sequence[bool] | None = None,
     dsa: bool = False,
+    dsa_dense_max_kv_len: int = 0,
     all_logits: bool = False,
     min_reqs: int = 1,
     device: torch.device | str = "cpu",
@@ -182,7 +193,7 @@ def build_batch(
         pages = list(pages) + [[]] * (min_reqs - n)
         is_decode = is_decode + [all(is_decode)] * (min_reqs - n)
     q_lens = [len(t) for t in token_ids]
-    plan = plan_batch(q_lens, prefix_lens, is_decode, dsa=dsa)
+    plan = plan_batch(q_lens, prefix_lens, is_decode, dsa=dsa, dsa_dense_max_kv_len=dsa_dense_max_kv_len)
     method = choose_forward_method(caps, plan)
 
     input_ids, positions, slots, req_ids, seq_lens = [], [], [], [], []

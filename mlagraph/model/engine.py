@@ -98,12 +98,16 @@ class Engine:
         seed: seed of the sampler's generator (temperature > 0).
         compile_backend: with compile=True, "mlagraph" (Inductor) or "mlagraph_eager" (the
             same passes on the AOT graph, executed without code generation).
+        dsa_dense_max_kv_len: DSA models (V3.2) run a batch with dense attention when no
+            request's kv length exceeds this (default: index_topk, where dense is exact). Larger
+            values approximate DSA; 0 forces sparse.
     """
 
     def __init__(
         self, model: DeepseekForCausalLM, max_num_seqs: int = 8, max_model_len: int = 1024, page_size: int = 16,
         compile: bool = False, cuda_graphs: bool = False, prefill_chunk_size: int | None = None,
         num_pages: int | None = None, seed: int = 0, compile_backend: str = "mlagraph",
+        dsa_dense_max_kv_len: int | None = None,
     ):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("page_size", page_size)):
             if not isinstance(value, int) or value < 1:
@@ -121,6 +125,12 @@ class Engine:
             if self.device.type != "cuda":
                 raise ValueError(f"Engine: cuda_graphs=True needs a model on a CUDA device, got {self.device}")
             raise NotImplementedError("Engine: cuda_graphs=True arrives with the graph-captured decode issue")
+        index_topk = model.config.index_topk
+        if dsa_dense_max_kv_len is None:
+            dsa_dense_max_kv_len = index_topk
+        if not isinstance(dsa_dense_max_kv_len, int) or dsa_dense_max_kv_len < 0:
+            raise ValueError(f"Engine: dsa_dense_max_kv_len: expected an int >= 0 or None, got {dsa_dense_max_kv_len!r}")
+        self.dsa_dense_max_kv_len = dsa_dense_max_kv_len
         self.model = model
         self.max_num_seqs, self.max_model_len, self.page_size = max_num_seqs, max_model_len, page_size
         self.prefill_chunk_size = prefill_chunk_size
@@ -247,7 +257,8 @@ class Engine:
         batch = build_batch(
             self.model.backend.capabilities, [t for _, t in plan], [r.num_cached for r, _ in plan],
             [r.pages for r, _ in plan], self.page_size, is_decode=[r.decoding for r, _ in plan],
-            dsa=self.model.config.uses_dsa, all_logits=all_logits, min_reqs=self._min_reqs, device=self.device,
+            dsa=self.model.config.uses_dsa, dsa_dense_max_kv_len=self.dsa_dense_max_kv_len,
+            all_logits=all_logits, min_reqs=self._min_reqs, device=self.device,
         )
         t0 = time.perf_counter()
         with torch.no_grad():

@@ -35,6 +35,9 @@ def _graphs(model: DeepseekForCausalLM, kind: str) -> tuple[str, str]:
     dsa = model.config.uses_dsa
     if kind == "prefill":
         batch = build_batch(caps, [[1, 2, 3, 4, 5], [6, 7]], [0, 0], [[0, 1], [2]], ps, dsa=dsa)
+    elif kind == "dense_prefill":  # DSA, every kv length <= index_topk: the dense variant
+        batch = build_batch(caps, [[1, 2, 3, 4, 5], [6, 7]], [0, 0], [[0, 1], [2]], ps, dsa=dsa,
+                            dsa_dense_max_kv_len=model.config.index_topk)
     elif kind == "chunked":
         batch = build_batch(caps, [[1, 2, 3], [6, 7]], [4, 2], [[0, 1], [2]], ps, dsa=dsa)
     else:
@@ -167,3 +170,26 @@ mlagraph.indexer_cache_write(k=v9, k_cache=in46!, slot_mapping=in15, layout='bf1
 v10 = mlagraph.indexer_topk(q=v8, weights=_, k_cache=in46', req_ids=in23, positions=in13, block_table=in24, layout='bf16', topk=12)
 v11 = mlagraph.sparse_mla(q_nope=_, q_pe=v6.0, kv_cache=in41', topk_indices=v10, req_ids=in23, block_table=in24, scale=None, layout='bf16', softmax_scale=0.264642)
 v12 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in53, down_proj=in54, e_score_correction_bias=in55, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)""")
+
+    def test_v32_two_layers_dense_prefill_after(self):
+        """The dense DSA variant: no indexer scoring or top-k, but the indexer keys are written."""
+        _, after = _graphs(_model("v32", 2), "dense_prefill")
+        self.assertNotIn("indexer_topk", after)
+        self.assertIn("indexer_cache_write", after)
+        self.assertExpectedInline(after, """\
+inputs: 56 tensors
+# layer 0
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
+v2 = aten.cat([v1.1~, _], -1)
+mlagraph.indexer_cache_write(k=v2, k_cache=in19!, slot_mapping=in15, layout='bf16')
+v3 = aten.cat([_, v0.1~], -1)
+v4 = mlagraph.mha_prefill(q=v0.0, k=v3, v=_, cu_seqlens_q=in20, cu_seqlens_k=in20, softmax_scale=0.264642, causal=True)
+# layer 1
+v5 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in37!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v6 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
+v7 = aten.cat([v6.1~, _], -1)
+mlagraph.indexer_cache_write(k=v7, k_cache=in41!, slot_mapping=in15, layout='bf16')
+v8 = aten.cat([_, v5.1~], -1)
+v9 = mlagraph.mha_prefill(q=v5.0, k=v8, v=_, cu_seqlens_q=in20, cu_seqlens_k=in20, softmax_scale=0.264642, causal=True)
+v10 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in46, down_proj=in47, e_score_correction_bias=in48, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)""")

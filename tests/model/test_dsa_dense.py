@@ -1,0 +1,120 @@
+"""DSA (V3.2) dense variant: a batch whose every kv length fits in index_topk runs dense MHA /
+absorbed attention (top-k would keep every key, so this is exact) and still writes the indexer
+keys that later sparse steps read."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mlagraph.model import DeepseekForCausalLM, Engine, ForwardMethod
+from mlagraph.model.batch import build_batch, plan_batch
+
+from .conftest import VOCAB, hf_token_logprobs
+
+TOPK = 12  # conftest's V3.2 index_topk
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(VOCAB) for _ in range(n)] for n in lengths]
+
+
+def _engine(path, **kw) -> Engine:
+    model = DeepseekForCausalLM.from_pretrained(path, progress=False)
+    return Engine(model, max_num_seqs=4, max_model_len=64, page_size=4, **kw)
+
+
+class _Spy:
+    """Counts the indexer's scoring calls (sparse) and key-only writes (dense) per layer-step."""
+
+    def __init__(self, model):
+        self.scored = self.keys_only = 0
+        for layer in model.model.layers:
+            idx = layer.self_attn.indexer
+            idx.register_forward_hook(lambda *a: setattr(self, "scored", self.scored + 1))
+            original = idx.write_keys
+
+            def write_keys(*args, _orig=original, **kw):
+                self.keys_only += 1
+                return _orig(*args, **kw)
+
+            idx.write_keys = write_keys
+
+
+@pytest.mark.parametrize(
+    "kv_lens, limit, dense",
+    [([5, 12], 12, True), ([5, 13], 12, False), ([12], 0, False), ([40], 64, True)],
+)
+def test_plan_is_dense_iff_every_kv_length_fits(kv_lens, limit, dense):
+    plan = plan_batch(kv_lens, [0] * len(kv_lens), [False] * len(kv_lens), dsa=True, dsa_dense_max_kv_len=limit)
+    assert plan.dsa_dense is dense
+
+
+def test_dense_methods_for_each_batch_kind(hf_checkpoint):
+    _, path = hf_checkpoint("v32")
+    model = DeepseekForCausalLM.from_pretrained(path, progress=False)
+    caps = model.backend.capabilities
+    cases = [
+        (dict(token_ids=[[1, 2, 3]], prefix_lens=[0], pages=[[0]]), ForwardMethod.MHA),
+        (dict(token_ids=[[1, 2]], prefix_lens=[5], pages=[[0, 1]]), ForwardMethod.MHA_PREFIX),
+        (dict(token_ids=[[1]], prefix_lens=[5], pages=[[0, 1]], is_decode=[True]), ForwardMethod.ABSORBED),
+        (dict(token_ids=[[1]], prefix_lens=[12], pages=[[0, 1, 2, 3]], is_decode=[True]), ForwardMethod.SPARSE),
+    ]
+    for kw, method in cases:
+        batch = build_batch(caps, page_size=4, dsa=True, dsa_dense_max_kv_len=TOPK, **kw)
+        assert batch.method is method
+
+
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_planner_equals_forced_sparse_up_to_index_topk(hf_checkpoint, chunk_size):
+    """Exactness: prompts of length <= index_topk give the same logprobs dense and sparse, and
+    both equal transformers' DeepseekV32."""
+    hf, path = hf_checkpoint("v32")
+    prompts = _prompts(11, [TOPK, 7, 3])
+    planned = _engine(path)
+    spy = _Spy(planned.model)
+    got = planned.prompt_logprobs(prompts, chunk_size=chunk_size)
+    assert spy.keys_only > 0 and spy.scored == 0  # really dense
+    forced = _engine(path, dsa_dense_max_kv_len=0).prompt_logprobs(prompts, chunk_size=chunk_size)
+    for ids, a, b in zip(prompts, got, forced):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a, hf_token_logprobs(hf, ids), atol=1e-4, rtol=0)
+
+
+def test_sparse_decode_after_dense_prefill_matches_transformers(hf_checkpoint):
+    """A dense prefill must still fill the indexer-key cache: decoding past index_topk (sparse)
+    then scores those keys. Every generated token's logprob equals transformers' teacher-forced
+    one."""
+    hf, path = hf_checkpoint("v32")
+    engine = _engine(path)
+    spy = _Spy(engine.model)
+    prompt = _prompts(12, [9])[0]
+    out = engine.generate([prompt], max_new_tokens=12)[0]
+    assert spy.keys_only > 0 and spy.scored > 0  # dense steps, then sparse ones
+    full = prompt + out.token_ids
+    want = hf_token_logprobs(hf, full)[len(prompt) - 1 :]
+    torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=1e-4, rtol=0)
+
+
+def test_dense_prefill_writes_the_same_indexer_keys_as_sparse(hf_checkpoint):
+    _, path = hf_checkpoint("v32")
+    prompts = _prompts(13, [10, 6])
+    dense, sparse = _engine(path), _engine(path, dsa_dense_max_kv_len=0)
+    # one prefill step (+1 sampled token) each; fresh engines allocate the same pages
+    outs = [e.generate(prompts, max_new_tokens=1) for e in (dense, sparse)]
+    assert outs[0][0].token_ids == outs[1][0].token_ids
+    # layer 0 sees identical inputs: bit-identical keys; later layers' inputs went through
+    # dense vs sparse attention, equal up to float rounding
+    torch.testing.assert_close(dense.caches.index[0], sparse.caches.index[0], atol=0, rtol=0)
+    assert dense.caches.index[0].abs().sum() > 0
+    for a, b in zip(dense.caches.index[1:], sparse.caches.index[1:]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_engine_rejects_bad_dense_limit(hf_checkpoint):
+    _, path = hf_checkpoint("v32")
+    with pytest.raises(ValueError, match="dsa_dense_max_kv_len"):
+        _engine(path, dsa_dense_max_kv_len=-1)
