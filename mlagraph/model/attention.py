@@ -73,22 +73,42 @@ class Indexer(nn.Module):
         self._cache_write = backend.op("indexer_cache_write")
         self._topk = backend.op("indexer_topk")
 
+    def _keys(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """x [T,D] -> rotated index keys [T, head_dim]."""
+        T, R = x.shape[0], self.rope_dim
+        k = self.k_norm(self.wk(x))
+        no_q = k.new_empty(T, 0, R)  # keys only: a rope call with no query heads
+        _, k_rot = mlagraph.rope(no_q, k[:, None, :R], positions, cos_sin, False)
+        return torch.cat([k_rot[:, 0], k[:, R:]], dim=-1)
+
     def write_keys(
         self, x: torch.Tensor, batch: Batch, cos_sin: torch.Tensor, k_cache: torch.Tensor, layout: str
     ) -> None:
-        """Only the indexer-key cache write (the dense DSA variant): later sparse steps read
-        these keys, so a dense step must still write them (DESIGN.md lesson 8)."""
+        """Only the indexer-key cache write (dense DSA steps): later sparse steps read these
+        keys, so a dense step must still write them (DESIGN.md lesson 8)."""
+        self._cache_write(self._keys(x, batch.positions, cos_sin), k_cache, batch.slot_mapping, layout)
+
+    def select(
+        self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, req_ids: torch.Tensor,
+        block_table: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, layout: str,
+    ) -> torch.Tensor:
+        """Scores and top-k for some tokens whose keys are already cached: [Ts, index_topk]."""
         T, R = x.shape[0], self.rope_dim
-        k = self.k_norm(self.wk(x))  # [T, head_dim]
-        no_q = k.new_empty(T, 0, R)  # no query heads: the dense step scores nothing
-        _, k_rot = mlagraph.rope(no_q, k[:, None, :R], batch.positions, cos_sin, False)
-        self._cache_write(torch.cat([k_rot[:, 0], k[:, R:]], dim=-1), k_cache, batch.slot_mapping, layout)
+        q = self.wq_b(q_lora).view(T, self.n_heads, self.head_dim)
+        no_k = q.new_zeros(T, 1, R)  # queries only (the keys are in the cache)
+        q_rot, _ = mlagraph.rope(q[..., :R], no_k, positions, cos_sin, False)
+        q = torch.cat([q_rot, q[..., R:]], dim=-1)
+        w = F.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, Hi]
+        return self._topk(q, w, k_cache, req_ids, positions, block_table, layout, self.topk)
 
     def forward(
         self, x: torch.Tensor, q_lora: torch.Tensor, batch: Batch, cos_sin: torch.Tensor,
         k_cache: torch.Tensor, layout: str,
     ) -> torch.Tensor:
-        """x [T,D], q_lora [T,q_lora_rank] -> top-k key positions [T, index_topk] int32 (-1 none)."""
+        """x [T,D], q_lora [T,q_lora_rank] -> top-k key positions [T, index_topk] int32 (-1 none).
+
+        Writes this step's keys first (a token may select itself), one rope call for q and k.
+        """
         T, R = x.shape[0], self.rope_dim
         q = self.wq_b(q_lora).view(T, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(x))  # [T, head_dim]
@@ -144,6 +164,39 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_rot[:, None, :].expand(S, self.num_heads, self.rope_dim)], dim=-1)
         return k, v
 
+    def _dsa_split(self, x, q_lora, q, kv_cache, batch: Batch, cos_sin, caches: KVCaches, layer, w_uk, w_uv):
+        """A DSA batch with short and long requests: dense MHA over the fetched prefix for the
+        requests whose kv length fits in index_topk (exact), indexer + sparse MLA for the rest.
+        q [T,H,Dn+R] (MHA form) -> out [T,H,Dv]."""
+        T, H, L, R = x.shape[0], self.num_heads, self.kv_lora_rank, self.rope_dim
+        split = batch.split
+        # dense requests: MHA over their cached prefix + new tokens
+        q_d = q.index_select(0, split.dense_rows)
+        kv_all, pe_all = self._cache_read(
+            kv_cache, split.dense_block_table, split.dense_cu_seqlens_k, caches.scale, caches.layout, R,
+            x.dtype, split.dense_num_kv_tokens,
+        )
+        k, v = self._expand_kv(kv_all, pe_all)
+        out_d, _ = self._prefill(
+            q_d, k, v, split.dense_cu_seqlens_q, split.dense_cu_seqlens_k, self.softmax_scale, True
+        )
+        # sparse requests: indexer top-k, then sparse MLA in the latent space
+        rows = split.sparse_rows
+        q_s = q.index_select(0, rows)
+        q_abs = torch.einsum("thd,hdl->thl", q_s[..., : self.nope_dim], w_uk)
+        req_s = batch.req_ids.index_select(0, rows)
+        topk = self.indexer.select(
+            x.index_select(0, rows), q_lora.index_select(0, rows), batch.positions.index_select(0, rows),
+            req_s, batch.block_table, cos_sin, caches.index[layer], caches.index_layout,
+        )
+        o, _ = self._sparse(
+            q_abs, q_s[..., self.nope_dim :], kv_cache, topk, req_s, batch.block_table, caches.scale,
+            caches.layout, self.softmax_scale,
+        )
+        out_s = torch.einsum("thl,hvl->thv", o, w_uv)
+        out = out_d.new_zeros(T, H, self.v_dim)
+        return out.index_copy(0, split.dense_rows, out_d).index_copy(0, rows, out_s)
+
     # --- forward -------------------------------------------------------------------------
 
     def forward(
@@ -174,10 +227,13 @@ class MLAttention(nn.Module):
         q = torch.cat([q_nope, q_rot], dim=-1)  # [T, H, Dn+R] (MHA) or [T, H, L+R] (latent)
         mlagraph.latent_cache_write(kv_c, k_rot[:, 0], kv_cache, batch.slot_mapping, caches.scale, caches.layout)
         if self.indexer is not None and method is not ForwardMethod.SPARSE:
-            # DSA model, dense plan (every key fits in index_topk): no scoring, keys still cached
+            # DSA model, dense (or split) plan: keys are cached for every token, scored for none
+            # (the split method scores its sparse requests' tokens below)
             self.indexer.write_keys(x, batch, cos_sin, caches.index[layer], caches.index_layout)
 
-        if method is ForwardMethod.MHA:
+        if method is ForwardMethod.DSA_SPLIT:
+            out = self._dsa_split(x, q_lora, q, kv_cache, batch, cos_sin, caches, layer, w_uk, w_uv)
+        elif method is ForwardMethod.MHA:
             k, v = self._expand_kv(kv_c, k_rot[:, 0])
             out, _ = self._prefill(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_q, self.softmax_scale, True)
         elif method is ForwardMethod.MHA_PREFIX:

@@ -42,6 +42,7 @@ class ForwardMethod(enum.Enum):
     MHA_PREFIX = "mha_prefix"  # MHA over the cached prefix fetched back + the new tokens
     ABSORBED = "absorbed"  # absorbed MLA over the paged latent cache (decode)
     SPARSE = "sparse"  # DSA: indexer top-k, then sparse MLA over the paged latent cache
+    DSA_SPLIT = "dsa_split"  # DSA, mixed: MHA over the prefix for short requests, sparse for long
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,13 +52,15 @@ class BatchPlan:
     ``decode_q_len`` is the uniform number of new tokens per request for decode kinds (else 0).
     ``dsa`` says the model runs DeepSeek Sparse Attention (V3.2); ``dsa_dense`` that this batch
     may run dense attention instead: every request's kv length (cached + new tokens) is at most
-    the dense limit (index_topk by default, where top-k keeps every key: dense == sparse exactly).
+    the dense limit (index_topk by default, where top-k keeps every key: dense == sparse exactly);
+    ``dsa_split`` that some requests fit and some do not (each runs its own path).
     """
 
     kind: BatchKind
     decode_q_len: int
     dsa: bool
     dsa_dense: bool = False  # DSA model, and every request's kv length fits the dense limit
+    dsa_split: bool = False  # DSA model, and some requests fit the dense limit, some do not
 
 
 class NoForwardMethod(ValueError):
@@ -71,8 +74,8 @@ def plan_batch(
     """Classifies one batch from CPU metadata: per request, new tokens, cached tokens, decoding?
 
     For DSA models, ``dsa_dense_max_kv_len`` (the engine passes index_topk unless told
-    otherwise) makes the batch dense when no request's kv length exceeds it. A batch with any
-    longer request stays sparse for all of its requests (splitting mixed batches: to do).
+    otherwise) makes the batch dense when no request's kv length exceeds it, and split when
+    only some do: short requests dense, long ones sparse.
     """
     if not (len(q_lens) == len(prefix_lens) == len(is_decode)) or not q_lens:
         raise ValueError(
@@ -84,7 +87,9 @@ def plan_batch(
     q_min, q_max = min(q_lens), max(q_lens)
     if q_min < 1:
         raise ValueError(f"plan_batch: q_lens: expected every request to bring >= 1 token, got {list(q_lens)}")
-    dense = dsa and max(map(operator.add, prefix_lens, q_lens)) <= dsa_dense_max_kv_len
+    kv_lens = list(map(operator.add, prefix_lens, q_lens))
+    dense = dsa and max(kv_lens) <= dsa_dense_max_kv_len
+    split = dsa and not dense and min(kv_lens) <= dsa_dense_max_kv_len
     if all(is_decode):
         if q_min != q_max or q_max > MAX_DECODE_Q_LEN:
             raise ValueError(
@@ -92,20 +97,29 @@ def plan_batch(
                 f"got {list(q_lens)}"
             )
         kind = BatchKind.DECODE if q_max == 1 else BatchKind.MULTI_TOKEN_DECODE
-        return BatchPlan(kind, q_max, dsa, dense)
+        return BatchPlan(kind, q_max, dsa, dense, split)
     if any(is_decode):
-        return BatchPlan(BatchKind.MIXED, 0, dsa, dense)
+        return BatchPlan(BatchKind.MIXED, 0, dsa, dense, split)
     if max(prefix_lens) > 0:
-        return BatchPlan(BatchKind.CHUNKED_PREFILL, 0, dsa, dense)
-    return BatchPlan(BatchKind.PREFILL, 0, dsa, dense)
+        return BatchPlan(BatchKind.CHUNKED_PREFILL, 0, dsa, dense, split)
+    return BatchPlan(BatchKind.PREFILL, 0, dsa, dense, split)
 
 
 def choose_forward_method(caps: Capabilities, plan: BatchPlan) -> ForwardMethod:
     """The attention method for every layer of this batch. Pure: capabilities x plan only."""
-    if plan.dsa and not plan.dsa_dense:
+    if plan.dsa:
+        if plan.dsa_dense:
+            try:  # every key fits in index_topk: the dense method for this kind, if the backend has it
+                return choose_forward_method(caps, dataclasses.replace(plan, dsa=False, dsa_dense=False))
+            except NoForwardMethod:
+                if not caps.sparse_mla:
+                    raise
+                return ForwardMethod.SPARSE  # exact too, only slower
         if not caps.sparse_mla:
             raise NoForwardMethod("backend has no sparse_mla, which DSA models (V3.2) need")
-        return ForwardMethod.SPARSE
+        if plan.dsa_split and caps.mha_over_prefix:
+            return ForwardMethod.DSA_SPLIT
+        return ForwardMethod.SPARSE  # exact for the short requests too
     if plan.kind is BatchKind.DECODE:
         return ForwardMethod.ABSORBED
     if plan.kind is BatchKind.MULTI_TOKEN_DECODE:
@@ -122,6 +136,23 @@ def choose_forward_method(caps: Capabilities, plan: BatchPlan) -> ForwardMethod:
     if caps.mha_over_prefix:
         return ForwardMethod.MHA_PREFIX
     raise NoForwardMethod(f"backend has no MHA over a cached prefix, which {plan.kind.value} batches need")
+
+
+@dataclasses.dataclass
+class DsaSplit:
+    """Sub-batch metadata of a DSA_SPLIT batch (Td dense tokens of Bd requests, Ts sparse).
+
+    dense_rows: [Td] int64 token rows of the dense requests; sparse_rows: [Ts] int64 the rest.
+    dense_block_table: [Bd, P] int32; dense_cu_seqlens_q / _k: [Bd+1] int32;
+    dense_num_kv_tokens: host int, sum of the dense requests' kv lengths.
+    """
+
+    dense_rows: torch.Tensor
+    sparse_rows: torch.Tensor
+    dense_block_table: torch.Tensor
+    dense_cu_seqlens_q: torch.Tensor
+    dense_cu_seqlens_k: torch.Tensor
+    dense_num_kv_tokens: int
 
 
 @dataclasses.dataclass
@@ -152,6 +183,7 @@ class Batch:
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     logits_indices: torch.Tensor
+    split: DsaSplit | None = None  # DSA_SPLIT batches only
 
     @property
     def num_tokens(self) -> int:
@@ -226,6 +258,23 @@ def build_batch(
     def t(x, dtype):
         return torch.tensor(x, dtype=dtype, device=device)
 
+    split = None
+    if method is ForwardMethod.DSA_SPLIT:
+        dense = [s <= dsa_dense_max_kv_len for s in seq_lens]
+        rows = [list(range(cu_q[b], cu_q[b + 1])) for b in range(len(seq_lens))]
+        d_q, d_k = [0], [0]
+        for b in (b for b in range(len(seq_lens)) if dense[b]):
+            d_q.append(d_q[-1] + q_lens[b])
+            d_k.append(d_k[-1] + seq_lens[b])
+        split = DsaSplit(
+            dense_rows=t([r for b, rs in enumerate(rows) if dense[b] for r in rs], torch.int64),
+            sparse_rows=t([r for b, rs in enumerate(rows) if not dense[b] for r in rs], torch.int64),
+            dense_block_table=t([row for b, row in enumerate(table) if dense[b]], torch.int32),
+            dense_cu_seqlens_q=t(d_q, torch.int32),
+            dense_cu_seqlens_k=t(d_k, torch.int32),
+            dense_num_kv_tokens=d_k[-1],
+        )
+
     return Batch(
         plan=plan,
         method=method,
@@ -239,4 +288,5 @@ def build_batch(
         cu_seqlens_q=t(cu_q, torch.int32),
         cu_seqlens_k=t(cu_k, torch.int32),
         logits_indices=t(logits_rows, torch.int64),
+        split=split,
     )

@@ -15,12 +15,13 @@ import torch.fx as fx
 _AF_V1 = getattr(torch.ops.higher_order, "auto_functionalized", None)
 _AF_V2 = getattr(torch.ops.higher_order, "auto_functionalized_v2", None)
 
-# Ops that only re-index or re-type a tensor's data: values flow through them unchanged.
+# Ops that only re-index or re-type a tensor's data (views, copies, row gathers): values flow
+# through them unchanged.
 _VIEW_OPS = {
     "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "select", "slice", "expand", "permute",
     "transpose", "t", "alias", "clone", "contiguous", "as_strided", "_to_copy", "squeeze_copy",
     "view_copy", "unsqueeze_copy", "expand_copy", "select_copy", "slice_copy", "split", "split_with_sizes",
-    "unbind", "narrow",
+    "unbind", "narrow", "index_select", "index",
 }
 
 _LAYER_RE = re.compile(r"layers[.\[](\d+)")

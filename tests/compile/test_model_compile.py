@@ -140,3 +140,25 @@ def test_compile_fullgraph_and_warns_when_fusion_cannot_match():
         warnings.simplefilter("always")
         fn(*args)
     assert any("matched in no layer" in str(w.message) for w in seen)
+
+
+@pytest.mark.parametrize("variant", ["dense", "split"])
+def test_dsa_dense_and_split_variants_compile_and_match_eager(variant):
+    """The DSA plan variants compile whole (fullgraph, strict: fusion in every layer, lints
+    pass) and give eager's logits and caches."""
+    model = DeepseekForCausalLM.from_config(hf_config("v32"), init_std=0.2)
+    caps, ps = model.backend.capabilities, 4
+    lens = [5, 9] if variant == "dense" else [5, 30]
+    pages = _pages(lens, ps)
+    batch = build_batch(caps, [[1 + i % 7 for i in range(n)] for n in lens], [0, 0], pages, ps, dsa=True,
+                        dsa_dense_max_kv_len=model.config.index_topk)
+    assert batch.plan.dsa_dense is (variant == "dense") and batch.plan.dsa_split is (variant == "split")
+    eager_caches, compiled_caches = model.allocate_caches(16, ps), model.allocate_caches(16, ps)
+    want = model(batch, eager_caches)
+    compiled = mlagraph.compile(model, backend="mlagraph_eager", fullgraph=True, dynamic=True, strict=True)
+    got = compiled(batch, compiled_caches)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for a, b in zip(eager_caches.latent + eager_caches.index, compiled_caches.latent + compiled_caches.index):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    fused = {r.layer for r in mlagraph.passes.last_report() if r.pass_name == "fuse_rope_concat_cache"}
+    assert fused == set(range(model.config.num_hidden_layers))

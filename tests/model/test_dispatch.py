@@ -32,6 +32,8 @@ PLANS = [
     BatchPlan(BatchKind.PREFILL, 0, True),
     BatchPlan(BatchKind.DECODE, 1, True),
     BatchPlan(BatchKind.MIXED, 0, True),
+    BatchPlan(BatchKind.PREFILL, 0, True, dsa_dense=True),
+    BatchPlan(BatchKind.MIXED, 0, True, dsa_split=True),
 ]
 
 
@@ -48,7 +50,11 @@ def _render_matrix() -> str:
             except NoForwardMethod:
                 answers.append("-")
         lines.append("".join(map(str, bits)) + ": " + " ".join(f"{a:<10}" for a in answers).rstrip())
-    cols = " ".join(f"{p.kind.value[:6] + ('/dsa' if p.dsa else ''):<10}" for p in PLANS).rstrip()
+    def label(p):
+        dsa = "/dense" if p.dsa_dense else "/split" if p.dsa_split else "/dsa" if p.dsa else ""
+        return p.kind.value[:6] + dsa
+
+    cols = " ".join(f"{label(p):<10}" for p in PLANS).rstrip()
     return "\n".join([header, "      " + cols, *lines])
 
 
@@ -56,23 +62,23 @@ class TestDispatchMatrix(expecttest.TestCase):
     def test_matrix(self):
         self.assertExpectedInline(_render_matrix(), """\
 caps(multi_tok,mha_prefi,mha_over_,sparse_ml)
-      prefil     chunke     decode     mixed      multi_     prefil/dsa decode/dsa mixed/dsa
-0000: -          -          absorbed   -          -          -          -          -
-0001: -          -          absorbed   -          -          sparse     sparse     sparse
-0010: -          mha_prefix absorbed   mha_prefix mha_prefix -          -          -
-0011: -          mha_prefix absorbed   mha_prefix mha_prefix sparse     sparse     sparse
-0100: mha        -          absorbed   -          -          -          -          -
-0101: mha        -          absorbed   -          -          sparse     sparse     sparse
-0110: mha        mha_prefix absorbed   mha_prefix mha_prefix -          -          -
-0111: mha        mha_prefix absorbed   mha_prefix mha_prefix sparse     sparse     sparse
-1000: -          -          absorbed   -          absorbed   -          -          -
-1001: -          -          absorbed   -          absorbed   sparse     sparse     sparse
-1010: -          mha_prefix absorbed   mha_prefix absorbed   -          -          -
-1011: -          mha_prefix absorbed   mha_prefix absorbed   sparse     sparse     sparse
-1100: mha        -          absorbed   -          absorbed   -          -          -
-1101: mha        -          absorbed   -          absorbed   sparse     sparse     sparse
-1110: mha        mha_prefix absorbed   mha_prefix absorbed   -          -          -
-1111: mha        mha_prefix absorbed   mha_prefix absorbed   sparse     sparse     sparse""")
+      prefil     chunke     decode     mixed      multi_     prefil/dsa decode/dsa mixed/dsa  prefil/dense mixed/split
+0000: -          -          absorbed   -          -          -          -          -          -          -
+0001: -          -          absorbed   -          -          sparse     sparse     sparse     sparse     sparse
+0010: -          mha_prefix absorbed   mha_prefix mha_prefix -          -          -          -          -
+0011: -          mha_prefix absorbed   mha_prefix mha_prefix sparse     sparse     sparse     sparse     dsa_split
+0100: mha        -          absorbed   -          -          -          -          -          mha        -
+0101: mha        -          absorbed   -          -          sparse     sparse     sparse     mha        sparse
+0110: mha        mha_prefix absorbed   mha_prefix mha_prefix -          -          -          mha        -
+0111: mha        mha_prefix absorbed   mha_prefix mha_prefix sparse     sparse     sparse     mha        dsa_split
+1000: -          -          absorbed   -          absorbed   -          -          -          -          -
+1001: -          -          absorbed   -          absorbed   sparse     sparse     sparse     sparse     sparse
+1010: -          mha_prefix absorbed   mha_prefix absorbed   -          -          -          -          -
+1011: -          mha_prefix absorbed   mha_prefix absorbed   sparse     sparse     sparse     sparse     dsa_split
+1100: mha        -          absorbed   -          absorbed   -          -          -          mha        -
+1101: mha        -          absorbed   -          absorbed   sparse     sparse     sparse     mha        sparse
+1110: mha        mha_prefix absorbed   mha_prefix absorbed   -          -          -          mha        -
+1111: mha        mha_prefix absorbed   mha_prefix absorbed   sparse     sparse     sparse     mha        dsa_split""")
 
 
 def test_dispatch_ignores_environment(monkeypatch):

@@ -28,20 +28,27 @@ def _engine(path, **kw) -> Engine:
 
 
 class _Spy:
-    """Counts the indexer's scoring calls (sparse) and key-only writes (dense) per layer-step."""
+    """Counts, per layer-step, the indexer's scoring of whole batches (sparse), key-only writes
+    (dense or split steps) and scoring of a split step's sparse tokens (``selected``, with the
+    number of tokens scored)."""
 
     def __init__(self, model):
-        self.scored = self.keys_only = 0
+        self.scored = self.keys_only = self.selected = self.selected_tokens = 0
         for layer in model.model.layers:
             idx = layer.self_attn.indexer
             idx.register_forward_hook(lambda *a: setattr(self, "scored", self.scored + 1))
-            original = idx.write_keys
+            write_keys, select = idx.write_keys, idx.select
 
-            def write_keys(*args, _orig=original, **kw):
+            def counted_write_keys(*args, _orig=write_keys, **kw):
                 self.keys_only += 1
                 return _orig(*args, **kw)
 
-            idx.write_keys = write_keys
+            def counted_select(x, *args, _orig=select, **kw):
+                self.selected += 1
+                self.selected_tokens += x.shape[0]
+                return _orig(x, *args, **kw)
+
+            idx.write_keys, idx.select = counted_write_keys, counted_select
 
 
 @pytest.mark.parametrize(
@@ -118,3 +125,44 @@ def test_engine_rejects_bad_dense_limit(hf_checkpoint):
     _, path = hf_checkpoint("v32")
     with pytest.raises(ValueError, match="dsa_dense_max_kv_len"):
         _engine(path, dsa_dense_max_kv_len=-1)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 6])
+def test_mixed_batch_splits_dense_and_sparse_requests(hf_checkpoint, chunk_size):
+    """One batch, short and long prompts: the short ones run dense, only the long one's tokens
+    are scored by the indexer, and every logprob equals transformers' and the forced-sparse run."""
+    hf, path = hf_checkpoint("v32")
+    prompts = _prompts(14, [5, 30, 9])  # 5, 9 <= index_topk < 30
+    engine = _engine(path)
+    spy = _Spy(engine.model)
+    got = engine.prompt_logprobs(prompts, chunk_size=chunk_size)
+    assert spy.selected > 0  # at least one split step
+    if chunk_size is None:  # one split step: only the long prompt's 30 tokens were scored, per layer
+        assert spy.scored == 0
+        assert spy.selected_tokens == 30 * engine.model.config.num_hidden_layers
+    forced = _engine(path, dsa_dense_max_kv_len=0).prompt_logprobs(prompts, chunk_size=chunk_size)
+    for ids, a, b in zip(prompts, got, forced):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a, hf_token_logprobs(hf, ids), atol=1e-4, rtol=0)
+
+
+def test_split_method_for_mixed_kv_lengths(hf_checkpoint):
+    _, path = hf_checkpoint("v32")
+    model = DeepseekForCausalLM.from_pretrained(path, progress=False)
+    batch = build_batch(model.backend.capabilities, [[1] * 3, [1] * 20], [0, 0], [[0], [1, 2, 3, 4, 5]], 4,
+                        dsa=True, dsa_dense_max_kv_len=TOPK)
+    assert batch.method is ForwardMethod.DSA_SPLIT
+    assert batch.split.dense_rows.tolist() == [0, 1, 2]
+    assert batch.split.sparse_rows.tolist() == list(range(3, 23))
+    assert batch.split.dense_block_table.tolist() == [[0, -1, -1, -1, -1]]
+    assert batch.split.dense_cu_seqlens_k.tolist() == [0, 3] and batch.split.dense_num_kv_tokens == 3
+
+
+def test_generation_with_mixed_batches_equals_alone(hf_checkpoint):
+    _, path = hf_checkpoint("v32")
+    prompts = _prompts(15, [4, 25, 10])
+    together = _engine(path).generate(prompts, max_new_tokens=6)
+    for p, t in zip(prompts, together):
+        alone = _engine(path).generate([p], max_new_tokens=6)[0]
+        assert alone.token_ids == t.token_ids
+        torch.testing.assert_close(torch.tensor(alone.logprobs), torch.tensor(t.logprobs), atol=1e-4, rtol=0)
