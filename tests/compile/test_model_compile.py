@@ -162,3 +162,33 @@ def test_dsa_dense_and_split_variants_compile_and_match_eager(variant):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     fused = {r.layer for r in mlagraph.passes.last_report() if r.pass_name == "fuse_rope_concat_cache"}
     assert fused == set(range(model.config.num_hidden_layers))
+
+
+def test_dsa_variants_do_not_recompile_across_sizes():
+    """V3.2: one graph per plan variant (dense prefill, sparse prefill, split prefill, dense
+    decode, sparse decode, split decode) whatever the batch and group sizes, 1 included."""
+    cfg = hf_config("v32").to_dict()
+    cfg["num_hidden_layers"] = 1
+    cfg["first_k_dense_replace"] = 1
+    model = DeepseekForCausalLM.from_config(cfg, init_std=0.2)
+    caps, ps, topk = model.backend.capabilities, 4, model.config.index_topk
+    caches = model.allocate_caches(256, ps)
+    compiled = mlagraph.compile(model, backend="mlagraph_eager", fullgraph=True, dynamic=True)
+    before = len(manager._REPORTS)
+    rnd = random.Random(1)
+    variants = set()
+
+    def run(lens, decode):
+        prefix = [n - 1 if decode else 0 for n in lens]
+        tokens = [[1] if decode else [1] * n for n in lens]
+        batch = build_batch(caps, tokens, prefix, _pages(lens, ps), ps, is_decode=[decode] * len(lens),
+                            dsa=True, dsa_dense_max_kv_len=topk, min_reqs=2)
+        variants.add((batch.plan.kind, batch.method))
+        compiled(batch, caches)
+
+    for decode in (False, True):
+        for short, long in [(1, 0), (3, 0), (0, 1), (0, 4), (1, 1), (1, 3), (4, 1), (2, 2), (5, 3)]:
+            lens = [rnd.randint(2, topk) for _ in range(short)] + [rnd.randint(topk + 1, 40) for _ in range(long)]
+            run(lens, decode)
+    graphs = manager._REPORTS[before:]
+    assert len(variants) == 6 and len(graphs) == 6, (sorted(str(v) for v in variants), [g.graph for g in graphs])

@@ -166,3 +166,40 @@ def test_generation_with_mixed_batches_equals_alone(hf_checkpoint):
         alone = _engine(path).generate([p], max_new_tokens=6)[0]
         assert alone.token_ids == t.token_ids
         torch.testing.assert_close(torch.tensor(alone.logprobs), torch.tensor(t.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["dense", "sparse", "split"])
+def test_dsa_variants_capture_in_cuda_graphs(hf_checkpoint, variant):
+    """Each DSA plan variant is capturable in a CUDA graph: the plan (dense / sparse / split) is
+    made on the host before capture, replay re-runs it on new data, and the replayed logits and
+    caches equal an eager run on the same inputs."""
+    _, path = hf_checkpoint("v32")
+    model = DeepseekForCausalLM.from_pretrained(path, progress=False, device="cuda")
+    caps, ps = model.backend.capabilities, 4
+    lens = {"dense": [5, 9], "sparse": [20, 30], "split": [5, 30]}[variant]
+    pages, nxt = [], 0
+    for n in lens:
+        pages.append(list(range(nxt, nxt + -(-n // ps))))
+        nxt += -(-n // ps)
+    batch = build_batch(caps, [[1] * n for n in lens], [0] * len(lens), pages, ps, dsa=True,
+                        dsa_dense_max_kv_len=TOPK, device="cuda")
+    expected = {"dense": ForwardMethod.MHA, "sparse": ForwardMethod.SPARSE, "split": ForwardMethod.DSA_SPLIT}
+    assert batch.method is expected[variant]
+    caches = model.allocate_caches(32, ps)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        model(batch, caches)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        logits = model(batch, caches)
+    batch.input_ids.copy_(torch.randint(0, VOCAB, batch.input_ids.shape, device="cuda"))
+    graph.replay()
+    eager_caches = model.allocate_caches(32, ps)
+    with torch.no_grad():
+        want = model(batch, eager_caches)
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
+    for a, b in zip(caches.latent + caches.index, eager_caches.latent + eager_caches.index):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
