@@ -102,9 +102,10 @@ def main() -> None:
         page_size=16, prefill_chunk_size=args.chunk, seed=args.seed, compile=args.compile,
     )
     if args.compile:
-        # Warm-up: compiles the graphs this run needs (prefill, decode, chunked if --chunk).
+        # Warm-up on the same prompts: compiles the graphs of the plan variants this run meets
+        # (prefill, chunked, decode; for V3.2 also dense / split / sparse).
         t0 = time.perf_counter()
-        engine.generate([p[: min(len(p), 2 * (args.chunk or 8))] for p in prompts[:2]], max_new_tokens=2)
+        engine.generate(prompts, max_new_tokens=2)
         fused = sorted({(r.pass_name, r.layer) for r in mlagraph.passes.reports()}, key=str)
         print(f"compiled {len({r.graph for r in mlagraph.passes.reports()})} graphs in {time.perf_counter() - t0:.1f}s; "
               f"passes applied: " + ", ".join(f"{name}@layer{layer}" for name, layer in fused))
@@ -117,11 +118,13 @@ def main() -> None:
         mean_lp = sum(out.logprobs) / len(out.logprobs)
         print(f"[{i}] prompt {len(prompt):3d} tok -> {out.token_ids}  (mean logprob {mean_lp:.3f}, {out.finish_reason})")
     s = engine.stats
+
+    def rate(tokens: int, seconds: float) -> str:
+        return f"{tokens} tok in {seconds * 1e3:.1f} ms ({tokens / seconds:.0f} tok/s)" if seconds else f"{tokens} tok"
+
     print(
-        f"prefill: {s.prefill_tokens} tok in {s.prefill_seconds * 1e3:.1f} ms "
-        f"({s.prefill_tokens / max(s.prefill_seconds, 1e-9):.0f} tok/s) | "
-        f"decode: {s.decode_tokens} tok in {s.decode_seconds * 1e3:.1f} ms "
-        f"({s.decode_tokens / max(s.decode_seconds, 1e-9):.0f} tok/s) | {s.steps} steps, wall {wall:.2f}s"
+        f"prefill steps: {rate(s.prefill_tokens, s.prefill_seconds)} | "
+        f"decode-only steps: {rate(s.decode_tokens, s.decode_seconds)} | {s.steps} steps, wall {wall:.2f}s"
     )
 
 

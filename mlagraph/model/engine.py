@@ -74,6 +74,10 @@ class _Request:
 
 @dataclasses.dataclass
 class StepStats:
+    """Tokens and wall time of the engine's steps: ``prefill_*`` for steps that carry any
+    prompt tokens (decodes riding along in mixed steps included), ``decode_*`` for steps that
+    only decode."""
+
     prefill_tokens: int = 0
     decode_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -266,13 +270,13 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
-        n_decode = sum(len(t) for r, t in plan if r.decoding)
+        n_tokens = sum(len(t) for _, t in plan)  # real tokens (padding excluded)
         self.stats.steps += 1
-        self.stats.decode_tokens += n_decode
-        self.stats.prefill_tokens += batch.num_tokens - n_decode
-        if n_decode == batch.num_tokens:
+        if all(r.decoding for r, _ in plan):
+            self.stats.decode_tokens += n_tokens
             self.stats.decode_seconds += elapsed
         else:
+            self.stats.prefill_tokens += n_tokens
             self.stats.prefill_seconds += elapsed
 
         out, row = [], 0
