@@ -21,7 +21,9 @@ from .graph_utils import (
     is_op,
     layer_of,
     mutated_base,
+    op_arg,
     output_index,
+    output_user,
     stable_topological_sort,
 )
 
@@ -61,8 +63,7 @@ def fuse_rope_concat_cache(graph: fx.Graph, backend: Backend) -> dict[int | None
         rope, k_out = output_index(write.kwargs["k_pe"])
         if not (is_op(rope, ROPE) and k_out == 1):
             continue
-        q_rot = next((u for u in rope.users if u.target is operator.getitem and u.args[1] == 0), None)
-        k_rot = next((u for u in rope.users if u.target is operator.getitem and u.args[1] == 1), None)
+        q_rot, k_rot = output_user(rope, 0), output_user(rope, 1)
         if needs_missing_k(write, backend):
             continue  # the fused op returns no K, and something besides the write reads it
         cats = [u for u in (q_rot.users if q_rot else ()) if is_op(u, "aten::cat")]
@@ -127,10 +128,10 @@ def needs_missing_k(write: fx.Node, backend: Backend) -> bool:
     """
     if backend.capabilities.fused_returns_k:
         return False
-    rope, k_out = output_index(write.kwargs["k_pe"] if is_auto_functionalized(write) else write.args[1])
+    rope, k_out = output_index(op_arg(write, "k_pe"))
     if not (is_op(rope, ROPE) and k_out == 1):
         return False
-    k_rot = next((u for u in rope.users if u.target is operator.getitem and u.args[1] == 1), None)
+    k_rot = output_user(rope, 1)
     return k_rot is not None and any(u is not write for u in forward_through_views(k_rot))
 
 
@@ -153,7 +154,7 @@ def eliminate_concat(graph: fx.Graph, backend: Backend) -> dict[int | None, int]
         if is_op(node, "aten::cat") and len(node.args[0]) == 2 and _cat_dim_is_last(node):
             q, (latent, rope_half) = node, node.args[0]
         elif is_auto_functionalized(node) and node.args[0] is fused:
-            q = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), None)
+            q = output_user(node, 0)
             if q is None:
                 continue
             fused_node, latent, rope_half = node, node.kwargs["q_nope"], q

@@ -101,23 +101,29 @@ def forward_through_views(node: fx.Node) -> list[fx.Node]:
     return out
 
 
-def kwarg_or_arg(node: fx.Node, name: str, index: int):
-    """An op argument by schema name, from an auto_functionalized node's kwargs or a call's args."""
+def op_arg(node: fx.Node, name: str):
+    """An op argument by schema name, whether the node is ``auto_functionalized`` (all kwargs)
+    or a plain call (positional or keyword)."""
     if is_auto_functionalized(node) or name in node.kwargs:
         return node.kwargs.get(name)
+    index = schema_arg_names(op_of(node)).index(name)
     return node.args[index] if index < len(node.args) else None
 
 
+def output_user(node: fx.Node, index: int) -> fx.Node | None:
+    """The ``getitem(node, index)`` reading one output of a multi-output node, if any."""
+    return next((u for u in node.users if u.target is operator.getitem and u.args[1] == index), None)
+
+
 def mutated_base(node: fx.Node, arg: str) -> fx.Node | None:
-    """The tensor an auto_functionalized node mutates for argument ``arg`` (v1 or v2 form)."""
+    """The tensor a node mutates for argument ``arg``: the base of an auto_functionalized(_v2)
+    node, or the argument itself of a plain (in-place) call."""
     if node.target is _AF_V2:
         base_index = node.kwargs.get(f"_{arg}_base_index")
         if base_index is None:
             return None
         return node.kwargs["_all_bases"][base_index]
-    if node.target is _AF_V1:
-        return node.kwargs.get(arg)
-    return kwarg_or_arg(node, arg, 2)
+    return op_arg(node, arg)
 
 
 def af_num_outputs(node: fx.Node) -> int:
@@ -169,7 +175,9 @@ def layer_of(node: fx.Node) -> int | None:
 
 
 def schema_arg_names(op) -> list[str]:
-    return [a.name for a in op._schema.arguments]
+    """Argument names of an op (an OpOverload, or a packet: its default overload)."""
+    schema = op._schema if isinstance(op, torch._ops.OpOverload) else op.default._schema
+    return [a.name for a in schema.arguments]
 
 
 def stable_topological_sort(graph: fx.Graph) -> None:

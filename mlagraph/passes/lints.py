@@ -18,13 +18,14 @@ import torch.fx as fx
 from ..ops import backends as backend_registry
 from ..ops.backends import Backend
 from .graph_utils import (
-    forward_through_views, is_auto_functionalized, layer_of, mutated_base, op_name, tensor_root, view_root,
+    forward_through_views, is_auto_functionalized, layer_of, mutated_base, op_arg, op_name, output_user, tensor_root,
+    view_root,
 )
 
 WRITE = "mlagraph::latent_cache_write"
 ATTENTION = ("mlagraph::mla_decode", "mlagraph::mha_prefill", "mlagraph::sparse_mla")
-# ops that read the latent cache -> index of their kv_cache argument
-_CACHE_READERS = {"mlagraph::mla_decode": 2, "mlagraph::sparse_mla": 2, "mlagraph::latent_cache_read": 0}
+# ops that read the latent cache (argument kv_cache)
+_CACHE_READERS = ("mlagraph::mla_decode", "mlagraph::sparse_mla", "mlagraph::latent_cache_read")
 
 
 class LintError(RuntimeError):
@@ -93,7 +94,8 @@ def lint_rope_once(graph: fx.Graph, backend: Backend) -> None:
         if op_name(node) not in rotations:
             continue
         # Rotating something already rotated is RoPE applied twice.
-        rotated_inputs = [a for a in _rope_inputs(node) if _derives_from_rotation(a, rotations)]
+        rope_inputs = (op_arg(node, "q_pe"), op_arg(node, "k_pe"))
+        rotated_inputs = [a for a in rope_inputs if _derives_from_rotation(a, rotations)]
         if rotated_inputs:
             raise LintError(f"lint_rope_once: RoPE applied twice in {_where(node)}: its input is already rotated")
         if is_auto_functionalized(node) or _reaches_latent_attention(node, writers):
@@ -101,8 +103,7 @@ def lint_rope_once(graph: fx.Graph, backend: Backend) -> None:
     for writer in graph.nodes:
         if op_name(writer) != WRITE:
             continue
-        k_pe = writer.kwargs.get("k_pe") if is_auto_functionalized(writer) else writer.args[1]
-        if not _derives_from_rotation(k_pe, rotations):
+        if not _derives_from_rotation(op_arg(writer, "k_pe"), rotations):
             raise LintError(f"lint_rope_once: RoPE skipped in {_where(writer)}: the cached k_pe is not rotated")
     for layer, nodes in per_layer.items():
         if len(nodes) > 1:
@@ -110,14 +111,8 @@ def lint_rope_once(graph: fx.Graph, backend: Backend) -> None:
             raise LintError(f"lint_rope_once: layer {layer}: q_pe/k_pe rotated {len(nodes)} times: {where}")
     for attn in graph.nodes:
         if op_name(attn) in ("mlagraph::mla_decode", "mlagraph::sparse_mla"):
-            if not _derives_from_rotation(attn.args[1], rotations):
+            if not _derives_from_rotation(op_arg(attn, "q_pe"), rotations):
                 raise LintError(f"lint_rope_once: RoPE skipped in {_where(attn)}: q_pe is not rotated")
-
-
-def _rope_inputs(node: fx.Node) -> list:
-    if is_auto_functionalized(node):
-        return [node.kwargs.get("q_pe"), node.kwargs.get("k_pe")]
-    return list(node.args[:2])
 
 
 def lint_write_once(graph: fx.Graph, backend: Backend) -> None:
@@ -125,7 +120,7 @@ def lint_write_once(graph: fx.Graph, backend: Backend) -> None:
     per_cache: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
         if op_name(node) in writers:
-            base = mutated_base(node, "kv_cache") if is_auto_functionalized(node) else node.args[2]
+            base = mutated_base(node, "kv_cache")
             # a second functional write mutates the first one's output: same cache
             per_cache.setdefault(tensor_root(base), []).append(node)
     for cache, nodes in per_cache.items():
@@ -138,7 +133,7 @@ def lint_write_once(graph: fx.Graph, backend: Backend) -> None:
     # zero writes means the step attends to stale rows.
     for node in graph.nodes:
         if op_name(node) in _CACHE_READERS:
-            cache = tensor_root(node.args[_CACHE_READERS[op_name(node)]])
+            cache = tensor_root(op_arg(node, "kv_cache"))
             if cache not in per_cache:
                 raise LintError(
                     f"lint_write_once: {_where(node)} reads latent cache {getattr(cache, 'name', cache)}, "
@@ -161,9 +156,9 @@ def lint_backend_ops(graph: fx.Graph, backend: Backend) -> None:
                 f"not {backend.name!r}"
             )
         if name == fused_name and not backend.capabilities.fused_returns_k:
-            k_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1 and u.users]
-            if k_users:
-                consumers = ", ".join(u.name for k in k_users for u in k.users)
+            k_out = output_user(node, 1)
+            if k_out is not None and k_out.users:
+                consumers = ", ".join(u.name for u in k_out.users)
                 raise LintError(
                     f"lint_backend_ops: {_where(node)} returns no K on backend {backend.name!r}, "
                     f"but its K output is consumed by {consumers}"
