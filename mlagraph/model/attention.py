@@ -168,7 +168,7 @@ class MLAttention(nn.Module):
         """A DSA batch with short and long requests: dense MHA over the fetched prefix for the
         requests whose kv length fits in index_topk (exact), indexer + sparse MLA for the rest.
         q [T,H,Dn+R] (MHA form) -> out [T,H,Dv]."""
-        T, H, L, R = x.shape[0], self.num_heads, self.kv_lora_rank, self.rope_dim
+        T, H, R = x.shape[0], self.num_heads, self.rope_dim
         split = batch.split
         # dense requests: MHA over their cached prefix + new tokens
         q_d = q.index_select(0, split.dense_rows)

@@ -224,11 +224,11 @@ def build_batch(
     is_decode = list(is_decode) if is_decode is not None else [False] * n
     # Padding requests to add: enough for min_reqs in all, and in a DSA split batch for
     # min_reqs in each of its dense and sparse groups (each group's size is a graph dimension).
-    kv_real = [p + len(t) for p, t in zip(prefix_lens, token_ids)]
-    n_dense = sum(k <= dsa_dense_max_kv_len for k in kv_real) if dsa else 0
-    split = dsa and 0 < n_dense < n
-    pad_dense = max(0, min_reqs - n_dense) if split else max(0, min_reqs - n)
-    pad_sparse = max(0, min_reqs - (n - n_dense)) if split else 0
+    fits = [dsa and p + len(t) <= dsa_dense_max_kv_len for p, t in zip(prefix_lens, token_ids)]
+    n_dense = sum(fits)
+    mixed = 0 < n_dense < n
+    pad_dense = max(0, min_reqs - n_dense) if mixed else max(0, min_reqs - n)
+    pad_sparse = max(0, min_reqs - (n - n_dense)) if mixed else 0
     n_pad = pad_dense + pad_sparse
     if n_pad:
         pad_len = len(token_ids[0]) if n and all(is_decode) else 1
@@ -236,8 +236,8 @@ def build_batch(
         prefix_lens = list(prefix_lens) + [0] * n_pad
         pages = list(pages) + [[]] * n_pad
         is_decode = is_decode + [all(is_decode)] * n_pad
-    # padding requests run with the group they pad, whatever their (tiny) kv length
-    force_sparse = [False] * (n + pad_dense) + [True] * pad_sparse
+    # per request, dense in a split batch; padding runs with the group it pads
+    dense = fits + [True] * pad_dense + [False] * pad_sparse
     q_lens = [len(t) for t in token_ids]
     plan = plan_batch(q_lens, prefix_lens, is_decode, dsa=dsa, dsa_dense_max_kv_len=dsa_dense_max_kv_len)
     method = choose_forward_method(caps, plan)
@@ -271,7 +271,6 @@ def build_batch(
 
     split = None
     if method is ForwardMethod.DSA_SPLIT:
-        dense = [s <= dsa_dense_max_kv_len and not f for s, f in zip(seq_lens, force_sparse)]
         rows = [list(range(cu_q[b], cu_q[b + 1])) for b in range(len(seq_lens))]
         d_q, d_k = [0], [0]
         for b in (b for b in range(len(seq_lens)) if dense[b]):
