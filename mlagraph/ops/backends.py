@@ -8,12 +8,12 @@ module-level switch reaches an op, a pass or a dispatch function (DESIGN.md, les
 
     >>> from mlagraph.ops import backends
     >>> backends.names()
-    ['reference']
-    >>> backends.get("reference").capabilities.fused_rope_cache
+    ['reference', 'triton', 'aiter']
+    >>> backends.get("triton").capabilities.fused_returns_k
     True
     >>> backends.get("cuda")
     Traceback (most recent call last):
-    ValueError: unknown backend 'cuda'; known backends: reference
+    ValueError: unknown backend 'cuda'; known backends: reference, triton, aiter
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ class Capabilities:
         mha_prefill: it has dense ragged MHA prefill (q/k 192, v 128 for DeepSeek).
         mha_over_prefix: its MHA prefill takes keys = cached prefix + new tokens.
         sparse_mla: it has DSA sparse attention over top-k indices.
+        dense_prefill_sdpa: its ``mha_prefill`` runs torch SDPA's cuDNN kernel when the caller
+            passes ``single_request=True`` (one request, no prefix, no padding); the batch
+            builder sets that flag, and skips padding such a batch, only for these backends.
         cuda_graph_safe: generic ops whose kernels are safe to capture in a CUDA graph.
         fallbacks: generic op -> backend whose implementation this backend uses for it.
     """
@@ -74,6 +77,7 @@ class Capabilities:
     mha_over_prefix: bool
     sparse_mla: bool
     cuda_graph_safe: frozenset[str]
+    dense_prefill_sdpa: bool = False
     fallbacks: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     def __post_init__(self) -> None:

@@ -112,7 +112,7 @@ def latent_cache_write(
 
 
 @latent_cache_write.register_fake
-def _(kv_c, k_pe, kv_cache, slot_mapping, scale, layout):
+def latent_cache_write_fake(kv_c, k_pe, kv_cache, slot_mapping, scale, layout):
     _check_latent_cache_write("latent_cache_write", kv_c, k_pe, kv_cache, slot_mapping, scale, layout)
 
 
@@ -195,7 +195,7 @@ def latent_cache_read(
 
 
 @latent_cache_read.register_fake
-def _(kv_cache, block_table, cu_seq_lens, scale, layout, rope_dim, out_dtype, num_tokens):
+def latent_cache_read_fake(kv_cache, block_table, cu_seq_lens, scale, layout, rope_dim, out_dtype, num_tokens):
     latent = _check_latent_cache_read(
         kv_cache, block_table, cu_seq_lens, scale, layout, rope_dim, out_dtype, num_tokens
     )
@@ -263,7 +263,7 @@ def fused_rope_concat_cache_write(
 
 
 @fused_rope_concat_cache_write.register_fake
-def _(q_nope, q_pe, kv_c, k_pe, positions, cos_sin_cache, kv_cache, slot_mapping, scale, layout, interleaved):
+def fused_rope_concat_cache_write_fake(q_nope, q_pe, kv_c, k_pe, positions, cos_sin_cache, kv_cache, slot_mapping, scale, layout, interleaved):
     _check_fused(q_nope, q_pe, kv_c, k_pe, positions, cos_sin_cache, kv_cache, slot_mapping, scale, layout)
     t, h, dn = q_nope.shape
     return q_nope.new_empty((t, h, dn + q_pe.shape[2])), k_pe.new_empty(k_pe.shape)

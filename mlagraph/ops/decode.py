@@ -155,7 +155,7 @@ def mla_decode(
 
 
 @mla_decode.register_fake
-def _(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, softmax_scale):
+def mla_decode_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, softmax_scale):
     _check_mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, softmax_scale)
     batch, s_q, num_heads, kv_lora_rank = q_nope.shape
     return (

@@ -63,7 +63,7 @@ def indexer_cache_write(
 
 
 @indexer_cache_write.register_fake
-def _(k, k_cache, slot_mapping, layout):
+def indexer_cache_write_fake(k, k_cache, slot_mapping, layout):
     _check_indexer_cache_write(k, k_cache, slot_mapping, layout)
 
 
@@ -140,6 +140,6 @@ def indexer_topk(
 
 
 @indexer_topk.register_fake
-def _(q, weights, k_cache, req_ids, positions, block_table, layout, topk):
+def indexer_topk_fake(q, weights, k_cache, req_ids, positions, block_table, layout, topk):
     _check_indexer_topk(q, weights, k_cache, req_ids, positions, block_table, layout, topk)
     return q.new_empty((q.shape[0], topk), dtype=torch.int32)

@@ -191,7 +191,7 @@ def moe(
 
 
 @moe.register_fake
-def _(
+def moe_fake(
     hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
     topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
 ):

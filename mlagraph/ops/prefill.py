@@ -16,7 +16,7 @@ from ._checks import FLOAT_DTYPES, check_positive, check_same_dtype, check_tenso
 from .decode import masked_softmax
 
 
-def _check_mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal) -> None:
+def _check_mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, single_request=False) -> None:
     op = "mha_prefill"
     check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _, num_heads, head_dim = q.shape
@@ -30,6 +30,10 @@ def _check_mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causa
         fail(op, "cu_seqlens_q", "B+1 >= 1 offsets", f"shape {list(cu_seqlens_q.shape)}")
     check_tensor(op, "cu_seqlens_k", cu_seqlens_k, shape=(cu_seqlens_q.shape[0],), dtypes=(torch.int32,), device=dev)
     check_positive(op, "softmax_scale", softmax_scale)
+    if single_request and (cu_seqlens_q.shape[0] != 2 or q.shape[0] != k.shape[0] or not causal):
+        fail(op, "single_request", "True only for one causal request whose queries and keys are the same "
+             "tokens (cu_seqlens_q of 2 entries, T == S)", f"T={q.shape[0]}, S={k.shape[0]}, "
+             f"B={cu_seqlens_q.shape[0] - 1}, causal={causal}")
 
 
 @torch.library.custom_op("mlagraph::mha_prefill", mutates_args=())
@@ -41,6 +45,7 @@ def mha_prefill(
     cu_seqlens_k: torch.Tensor,
     softmax_scale: float,
     causal: bool,
+    single_request: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each request's queries over that request's keys only.
 
@@ -54,12 +59,15 @@ def mha_prefill(
         softmax_scale: > 0, multiplies q.k.
         causal: query i sees keys j <= i + (len_k - len_q) of its request; else all of them.
             A query with no visible key (len_k < len_q) gets out 0 and lse -inf.
+        single_request: the caller states the batch is ONE request (B = 1) whose queries and keys
+            are the same T tokens (no prefix, no padding rows), causal. The result is the same;
+            a backend with ``dense_prefill_sdpa`` may run a dense, non-ragged kernel for it.
 
     Returns:
         out: [T, H, Dv] in q's dtype; lse: [T, H] float32 natural-log log-sum-exp of the scaled
         scores.
     """
-    _check_mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+    _check_mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, single_request)
     dev = q.device
     num_reqs = cu_seqlens_q.shape[0] - 1
     cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
@@ -83,6 +91,6 @@ def mha_prefill(
 
 
 @mha_prefill.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal):
-    _check_mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+def mha_prefill_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, single_request=False):
+    _check_mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, single_request)
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty(q.shape[:2], dtype=torch.float32)

@@ -234,6 +234,6 @@ def rope(
 
 
 @rope.register_fake
-def _(q_pe, k_pe, positions, cos_sin_cache, interleaved):
+def rope_fake(q_pe, k_pe, positions, cos_sin_cache, interleaved):
     _check_rope("rope", q_pe, k_pe, positions, cos_sin_cache)
     return q_pe.new_empty(q_pe.shape), k_pe.new_empty(k_pe.shape)

@@ -78,6 +78,6 @@ def sparse_mla(
 
 
 @sparse_mla.register_fake
-def _(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale, layout, softmax_scale):
+def sparse_mla_fake(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale, layout, softmax_scale):
     _check_sparse_mla(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale, layout, softmax_scale)
     return q_nope.new_empty(q_nope.shape), q_nope.new_empty(q_nope.shape[:2], dtype=torch.float32)

@@ -92,7 +92,10 @@ def render(graph_or_module: fx.Graph | fx.GraphModule) -> str:
             else:
                 values = dict(zip(arg_names, node.args))
                 values.update(node.kwargs)
-            args = [f"{k}={ref(values.get(k))}" for k in arg_names]
+            # An argument left at its schema default is not shown (newer optional arguments do
+            # not change older goldens).
+            defaulted = {a.name for a in op._schema.arguments if a.has_default_value()}
+            args = [f"{k}={ref(values.get(k))}" for k in arg_names if k in values or k not in defaulted]
         has_out = bool(node.users) and not (is_auto_functionalized(node) and not _af_op_outputs_used(node, op))
         if has_out:
             names[node] = f"v{count}"

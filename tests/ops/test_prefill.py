@@ -173,3 +173,22 @@ def test_bad_input(arg, mutate):
     a = dict(zip(ARGS, prefill_args()))
     mutate(a)
     assert_value_error(mha_prefill, [a[n] for n in ARGS], arg_error(arg))
+
+
+# ---------------------------------------------------------------------------------------------
+# single_request: the caller's statement that a backend may run a dense kernel
+
+
+def test_single_request_gives_the_same_result():
+    q, k, v = make_qkv([7], [7])
+    want = mha_prefill(q, k, v, cu([7]), cu([7]), SM_SCALE, True)
+    got = mha_prefill(q, k, v, cu([7]), cu([7]), SM_SCALE, True, single_request=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("q_lens,k_lens,causal", [([3, 4], [3, 4], True), ([3], [5], True), ([4], [4], False)],
+                         ids=["two_requests", "prefix", "not_causal"])
+def test_single_request_refused_where_it_does_not_hold(q_lens, k_lens, causal):
+    q, k, v = make_qkv(q_lens, k_lens)
+    assert_value_error(mha_prefill, [q, k, v, cu(q_lens), cu(k_lens), SM_SCALE, causal, True],
+                       arg_error("single_request"))
