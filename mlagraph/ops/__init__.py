@@ -19,4 +19,5 @@ Cache layouts are described in :mod:`.layouts`; backends and their capability ta
 from . import layouts  # noqa: F401
 from . import rope, cache, decode, prefill, sparse, indexer, moe  # noqa: F401  (registers the ops)
 from . import backends  # noqa: F401
+from . import triton  # noqa: F401  (registers the triton backend and its ops)
 from .rope import rope_cos_sin_cache  # noqa: F401

@@ -1,0 +1,105 @@
+"""The ``triton`` backend: mlagraph's own Triton kernels behind the generic MLA ops.
+
+Each generic op ``mlagraph::<op>`` gets a twin ``mlagraph_triton::<op>`` with the same schema,
+the same argument checks (so the same errors, eagerly and under fake tensors) and the same fake
+kernel; only the implementation differs. ``moe`` has no kernel of ours: the capability table
+declares that it uses the reference op.
+
+Kernel modules are imported on the first call, so ``import mlagraph`` never needs Triton and
+reading the capability table costs nothing:
+
+- :mod:`.rope_cache` ``rope``, ``latent_cache_write``, ``latent_cache_read``,
+  ``fused_rope_concat_cache_write``
+- :mod:`.decode`     ``mla_decode`` (split-KV over the paged cache, fixed grid)
+- :mod:`.prefill`    ``mha_prefill`` (ragged causal flash attention with prefix)
+- :mod:`.sparse`     ``sparse_mla``
+- :mod:`.indexer`    ``indexer_cache_write``, ``indexer_topk``
+
+Kernels run on CUDA tensors. CPU tensors run through Triton's interpreter, which Triton turns on
+for kernels defined while ``TRITON_INTERPRET=1`` is set (the CPU test suite sets it); without
+it a CPU call raises a ValueError saying so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+# Aliased: the kernel modules below share these names (mlagraph.ops.triton.decode is ours).
+from .. import cache as _cache, decode as _decode, indexer as _indexer, prefill as _prefill, rope as _rope
+from .. import sparse as _sparse
+from ..backends import GENERIC_OPS, Backend, Capabilities, register
+
+NAMESPACE = "mlagraph_triton"
+
+# generic op -> (kernel module, the generic op's argument check, its fake kernel)
+_OPS = {
+    "rope": ("rope_cache", lambda q_pe, k_pe, positions, cos_sin_cache, interleaved: _rope._check_rope(
+        "rope", q_pe, k_pe, positions, cos_sin_cache), _rope.rope_fake),
+    "latent_cache_write": ("rope_cache", lambda kv_c, k_pe, kv_cache, slot_mapping, scale, layout:
+                           _cache._check_latent_cache_write("latent_cache_write", kv_c, k_pe, kv_cache,
+                                                           slot_mapping, scale, layout),
+                           _cache.latent_cache_write_fake),
+    "latent_cache_read": ("rope_cache", _cache._check_latent_cache_read, _cache.latent_cache_read_fake),
+    "fused_rope_concat_cache_write": ("rope_cache", lambda *args: _cache._check_fused(*args[:10]),
+                                      _cache.fused_rope_concat_cache_write_fake),
+    "mla_decode": ("decode", _decode._check_mla_decode, _decode.mla_decode_fake),
+    "mha_prefill": ("prefill", _prefill._check_mha_prefill, _prefill.mha_prefill_fake),
+    "sparse_mla": ("sparse", _sparse._check_sparse_mla, _sparse.sparse_mla_fake),
+    "indexer_cache_write": ("indexer", _indexer._check_indexer_cache_write, _indexer.indexer_cache_write_fake),
+    "indexer_topk": ("indexer", _indexer._check_indexer_topk, _indexer.indexer_topk_fake),
+}
+
+
+def _define(generic: str) -> None:
+    module, check, fake = _OPS[generic]
+    schema = getattr(torch.ops.mlagraph, generic).default._schema
+    mutates = tuple(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+    signature = str(schema)[len(f"mlagraph::{generic}"):]  # "(Tensor q_pe, ...) -> (...)"
+
+    def impl(*args):
+        check(*args)
+        kernels = importlib.import_module(f"{__name__}.{module}")
+        return getattr(kernels, generic)(*args)
+
+    impl.__name__ = generic
+    op = torch.library.custom_op(f"{NAMESPACE}::{generic}", impl, mutates_args=mutates, schema=signature)
+    op.register_fake(fake)
+
+
+for _generic in _OPS:
+    _define(_generic)
+
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+TRITON = register(
+    Backend(
+        name="triton",
+        capabilities=Capabilities(
+            latent_layouts=frozenset({"bf16", "fp8", "fp8_ds"}),
+            indexer_layouts=frozenset({"bf16", "fp8"}),
+            # One kernel rotates q_pe and k_pe, writes q = [q_nope | q_rot] and the cache row,
+            # and returns the rotated K: nothing downstream has to care that it was fused.
+            fused_rope_cache=True,
+            fused_applies_rope=True,
+            fused_writes_cache=True,
+            fused_returns_q=True,
+            fused_returns_k=True,
+            decode_q_split=True,
+            multi_token_decode=True,
+            mha_prefill=True,
+            mha_over_prefix=True,
+            sparse_mla=True,
+            # Fixed grids sized from shapes only, no host syncs, no allocation that depends on data.
+            cuda_graph_safe=frozenset(GENERIC_OPS),
+            # One request without a prefix: cuDNN's fused attention (mha_prefill's single_request).
+            dense_prefill_sdpa=True,
+            fallbacks={"moe": "reference"},
+        ),
+        op_names={**{g: f"{NAMESPACE}::{g}" for g in _OPS}, "moe": "mlagraph::moe"},
+        available=_HAVE_TRITON,
+        reason="" if _HAVE_TRITON else "the 'triton' package is not installed (pip install triton)",
+    )
+)

@@ -1,0 +1,406 @@
+"""Triton ``mla_decode``: absorbed MLA over the paged latent cache, split-KV (flash-decoding).
+
+Math (see :mod:`mlagraph.ops.decode`): per request b and query row, with the latent kv_c both key
+(with k_pe) and value,
+
+    score = softmax_scale * (q_nope . kv_c + q_pe . k_pe),   out = softmax(score) @ kv_c.
+
+Rows. The s_q queries x H heads of a request form M = s_q * H rows; row r is query i = r // H,
+head h = r % H, at position ``seq_lens[b] - s_q + i``, and sees keys 0..that position (a per-row
+causal limit). A program takes BLOCK_H rows at once, so every latent row it reads serves all of
+them (H=128 -> two 64-row blocks, so each key is read twice, the second time mostly from L2).
+
+Kernel 1 (``_split_kernel``), grid (row blocks, MAX_SPLITS, B), fixed from shapes only. Each
+request's keys are cut on the device, from ``seq_lens[b]``, into at most MAX_SPLITS equal runs of
+whole BLOCK_N blocks; a program whose run is empty writes only lse = -inf (and, with a single
+split, out = 0). A program walks its
+run BLOCK_N keys at a time: page ids from the block table (a -1 page or a position past the
+length masks the key; masked rows load as 0, never as the cache's garbage), gathers the rows,
+scores them with two tl.dot (latent 512 + rope 64, fp32 accumulation), and keeps an online
+softmax in base 2 (log2(e) folded into the scale). Row blocks vary fastest in the grid so the
+programs sharing one key run are launched together.
+
+Kernel 2 (``_combine_kernel``), grid (M, B): merges a row's splits with log-sum-exp weights;
+empty splits (lse = -inf) are never read, and a row with no key at all gets out 0, lse -inf.
+With MAX_SPLITS = 1 there is nothing to merge: kernel 1 writes out and lse itself.
+
+Cache layouts: ``bf16`` rows are read in the cache's dtype; ``fp8`` e4m3 bytes are widened (exact)
+and the per-tensor scale is folded into the score scale and the output; ``fp8_ds`` e4m3 bytes are
+multiplied by their group's float32 scale (one per 128 latent values) before the dot and the rope
+part is bf16. On the GPU the dots run in q's dtype (bf16/fp16: p and fp8_ds's dequantized rows are
+rounded to it; float32 queries use exact IEEE float32 dots), the softmax and accumulator in
+float32. In the CPU interpreter every dot runs in float32 (its bf16 dot and bf16 rounding are
+unreliable), so CPU results are the exact-arithmetic version of the GPU's.
+
+Nothing here reads tensor values on the host, so a call can be captured in a CUDA graph.
+:func:`default_config` picks block sizes and MAX_SPLITS from shapes; :func:`mla_decode_with_config`
+takes an override for benchmark sweeps. L and R must be powers of two (DeepSeek: 512, 64).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._fp8 import from_fp8_bits
+from ._launch import check_runnable
+
+_LAYOUT_IDS = {"bf16": 0, "fp8": 1, "fp8_ds": 2}
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_len(kv_len, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Keys per split: the request's BLOCK_N blocks cut into MAX_SPLITS runs of equal length (the
+    last runs may be short or empty). Computed on the device, from the request's own length."""
+    return tl.cdiv(tl.cdiv(kv_len, BLOCK_N), MAX_SPLITS) * BLOCK_N
+
+
+@triton.jit
+def _kv_len(seq_len, MAX_LEN):
+    """Keys of a request that exist in its block table (0 for a padding request)."""
+    return tl.minimum(tl.maximum(seq_len, 0), MAX_LEN)
+
+
+@triton.jit
+def _dot(a, b, acc, F32: tl.constexpr):
+    """acc + a @ b, float32 accumulation; F32: exact float32 operands (no TF32)."""
+    if F32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _load_latent(rows, valid, L: tl.constexpr, BL: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr, POLICY: tl.constexpr):
+    """rows [BLOCK_N] pointers to cache rows -> kv_c [BLOCK_N, BL] in DOT_DTYPE (BL >= L: columns
+    past L, which only tiny test models have, read as 0).
+
+    Masked keys read as 0 (the cache may hold NaN there, and 0 weight * NaN is NaN). fp8 values
+    are returned unscaled: the caller folds the per-tensor scale into scores and output."""
+    offs_l = tl.arange(0, BL)
+    ptrs = rows[:, None] + offs_l[None, :]
+    m = valid[:, None] & (offs_l[None, :] < L)
+    if LAYOUT == 0:  # bf16: kv_c | k_pe in the cache's float dtype
+        kv = tl.load(ptrs, mask=m, other=0.0, eviction_policy=POLICY)
+    elif LAYOUT == 1:  # fp8: L + R e4m3 bytes
+        kv = from_fp8_bits(tl.load(ptrs, mask=m, other=0, eviction_policy=POLICY))
+    else:  # fp8_ds: L e4m3 bytes | L/128 float32 scales | R bf16 (row addresses in bytes)
+        G: tl.constexpr = L // 128  # layouts.DS_GROUP
+        bits = tl.load(ptrs, mask=m, other=0, eviction_policy=POLICY)
+        # Cast the row pointers, then add column offsets: keeps the loads vectorized.
+        scale_rows = (rows + L).to(tl.pointer_type(tl.float32))
+        scales = tl.load(scale_rows[:, None] + tl.arange(0, G)[None, :], mask=valid[:, None], other=0.0,
+                         eviction_policy=POLICY)  # [BLOCK_N, G]
+        kv = tl.reshape(tl.reshape(from_fp8_bits(bits), [BLOCK_N, G, 128]) * scales[:, :, None], [BLOCK_N, L])
+    return kv.to(DOT_DTYPE)
+
+
+@triton.jit
+def _load_rope(rows, valid, L: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, LAYOUT: tl.constexpr,
+               DOT_DTYPE: tl.constexpr):
+    """rows [BLOCK_N] pointers to cache rows -> k_pe [BLOCK_N, BR] in DOT_DTYPE (0 where masked)."""
+    offs_r = tl.arange(0, BR)
+    m = valid[:, None] & (offs_r[None, :] < R)
+    if LAYOUT == 0:
+        pe = tl.load(rows[:, None] + L + offs_r[None, :], mask=m, other=0.0)
+    elif LAYOUT == 1:
+        pe = from_fp8_bits(tl.load(rows[:, None] + L + offs_r[None, :], mask=m, other=0))
+    else:
+        pe_rows = (rows + L + 4 * (L // 128)).to(tl.pointer_type(tl.bfloat16))
+        pe = tl.load(pe_rows[:, None] + offs_r[None, :], mask=m, other=0.0)
+    return pe.to(DOT_DTYPE)
+
+
+@triton.jit
+def _split_kernel(
+    q_nope, q_pe, cache, block_table, seq_lens, fp8_scale, out, lse,
+    qk_scale,  # softmax_scale * log2(e)
+    stride_qn_b, stride_qn_s, stride_qn_h, stride_qp_b, stride_qp_s, stride_qp_h,
+    stride_c_page, stride_c_tok, stride_bt_b, stride_bt_p, stride_sl,
+    stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split,
+    MAX_LEN,  # block_table.shape[1] * page_size: keys past it do not exist
+    S_Q: tl.constexpr, H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
+    BL: tl.constexpr, BR: tl.constexpr,  # L and R rounded up to powers of two >= 16 (tl.dot's minimum)
+    LAYOUT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    DIRECT: tl.constexpr,  # MAX_SPLITS == 1: write the final out (q dtype) and lse, no combine
+    F32: tl.constexpr,  # float32 dots: float32 queries, or the CPU interpreter (see the launcher)
+    FP16: tl.constexpr,  # fp16 dots (fp8 caches: e4m3 -> fp16 is one hardware conversion, bf16 is not)
+):
+    row_block = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    DOT_DTYPE: tl.constexpr = tl.float32 if F32 else (tl.float16 if FP16 else q_nope.dtype.element_ty)
+
+    seq_len = tl.load(seq_lens + b * stride_sl)
+    kv_len = _kv_len(seq_len, MAX_LEN)
+    per_split = _split_len(kv_len, BLOCK_N, MAX_SPLITS)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, kv_len)  # lo >= hi: an empty split
+
+    # This block's rows: query i, head h; each sees positions <= its own (causal limit).
+    offs_m = row_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = offs_m < S_Q * H
+    qi = offs_m // H
+    qh = offs_m % H
+    limit = seq_len - S_Q + qi  # [BLOCK_H], last visible position
+    offs_l = tl.arange(0, BL)
+    offs_r = tl.arange(0, BR)
+    qn = tl.load(q_nope + b * stride_qn_b + (qi * stride_qn_s + qh * stride_qn_h)[:, None] + offs_l[None, :],
+                 mask=row_ok[:, None] & (offs_l[None, :] < L), other=0.0).to(DOT_DTYPE)
+    qp = tl.load(q_pe + b * stride_qp_b + (qi * stride_qp_s + qh * stride_qp_h)[:, None] + offs_r[None, :],
+                 mask=row_ok[:, None] & (offs_r[None, :] < R), other=0.0).to(DOT_DTYPE)
+
+    scale = qk_scale
+    out_scale = 1.0
+    if LAYOUT == 1:  # fp8: every cached value is e4m3 * scale; apply it to scores and output
+        kv_scale = tl.load(fp8_scale)
+        scale = qk_scale * kv_scale
+        out_scale = kv_scale
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BL], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = block_table + b * stride_bt_b
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        in_run = pos < hi
+        page = tl.load(bt_row + (pos // PAGE) * stride_bt_p, mask=in_run, other=-1)
+        valid = in_run & (page >= 0)
+        rows = cache + page.to(tl.int64) * stride_c_page + (pos % PAGE) * stride_c_tok
+        kv = _load_latent(rows, valid, L, BL, LAYOUT, BLOCK_N, DOT_DTYPE, "evict_last")
+        pe = _load_rope(rows, valid, L, R, BR, LAYOUT, DOT_DTYPE)
+        if LAYOUT == 0 and cache.dtype.element_ty == DOT_DTYPE:
+            kv_v = kv  # one tile in shared memory serves both dots
+        else:
+            # The same rows again, for the values (an L2 hit). A converted tile (fp8 widened or
+            # dequantized) feeds the two dots through different layouts, and Triton does not
+            # pipeline a load used that way; two loads of one use each are both pipelined
+            # (checked in the sm_90 TTGIR). The different eviction hints keep CSE from merging them.
+            kv_v = _load_latent(rows, valid, L, BL, LAYOUT, BLOCK_N, DOT_DTYPE, "")
+
+        s = _dot(qp, tl.trans(pe), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), F32)
+        s = _dot(qn, tl.trans(kv), s, F32) * scale
+        visible = valid[None, :] & (pos[None, :] <= limit[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _dot(p.to(DOT_DTYPE), kv_v, acc * alpha[:, None], F32)
+        m_i = m_new
+
+    has_key = l_i > 0.0
+    o = acc * (out_scale / tl.where(has_key, l_i, 1.0))[:, None]
+    row_lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_ptrs = out + b * stride_o_b + split * stride_o_split + offs_m[:, None] * stride_o_row + offs_l[None, :]
+    col_ok = offs_l[None, :] < L
+    if DIRECT:
+        tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok)
+    else:  # an empty split leaves its partial out unwritten: the combine never reads it
+        # (lo < hi broadcast to a vector before the &: the interpreter mis-types bool & scalar)
+        nonempty = tl.full([BLOCK_H], lo, lo.dtype) < hi
+        tl.store(o_ptrs, o, mask=(row_ok & nonempty)[:, None] & col_ok)
+    tl.store(lse + b * stride_lse_b + split * stride_lse_split + offs_m, row_lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    part_out, part_lse, out, lse, seq_lens, stride_sl, MAX_LEN,
+    stride_po_b, stride_po_split, stride_pl_b, stride_pl_split, stride_o_b, stride_lse_b,
+    L: tl.constexpr, BL: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    row = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    kv_len = _kv_len(tl.load(seq_lens + b * stride_sl), MAX_LEN)
+    # Splits past the request's last non-empty one hold lse = -inf; do not even visit them.
+    n_splits = tl.cdiv(kv_len, tl.maximum(_split_len(kv_len, BLOCK_N, MAX_SPLITS), 1))
+
+    lse_row = part_lse + b * stride_pl_b + row
+    offs_s = tl.arange(0, SPLITS_P2)
+    lses = tl.load(lse_row + offs_s * stride_pl_split, mask=offs_s < n_splits, other=float("-inf"))
+    m = tl.max(lses, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lses - m_safe), 0)
+
+    offs_l = tl.arange(0, BL)
+    col_ok = offs_l < L
+    acc = tl.zeros([BL], tl.float32)
+    po_row = part_out + b * stride_po_b + row * L + offs_l
+    for s in range(0, n_splits):
+        lse_s = tl.load(lse_row + s * stride_pl_split)
+        has_keys = (tl.full([BL], lse_s, tl.float32) > float("-inf")) & col_ok  # a vector mask (see above)
+        o = tl.load(po_row + s * stride_po_split, mask=has_keys, other=0.0)
+        acc += tl.exp(lse_s - m_safe) * o
+    has_key = total > 0.0
+    res = acc / tl.where(has_key, total, 1.0)
+    tl.store(out + b * stride_o_b + row * L + offs_l, res.to(out.dtype.element_ty), mask=col_ok)
+    tl.store(lse + b * stride_lse_b + row, tl.where(has_key, m_safe + tl.log(tl.where(has_key, total, 1.0)),
+                                                    float("-inf")))
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter runs programs one by one: a few splits at most
+
+
+def _pick_splits(base: int, slots: int, cap: int) -> int:
+    """Splits per request: the fewest that fill the machine's CTA slots about as evenly as the
+    best choice (a wave-quantization rule as in FlashAttention's split heuristic)."""
+    def efficiency(s: int) -> float:
+        waves = base * s / slots
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in range(1, cap + 1))
+    return next(s for s in range(1, cap + 1) if efficiency(s) >= 0.85 * best)
+
+
+def default_config(batch: int, rows: int, max_len: int, kv_lora_rank: int, layout: str, q_dtype: torch.dtype,
+                   num_sms: int = 132) -> dict:
+    """Block sizes, warps, stages and MAX_SPLITS from shapes only (numbers from compiling for
+    sm_90 offline: registers, spills, shared memory; not yet timed).
+
+    - BLOCK_H: all of a request's rows (s_q * H) in one block, up to 64 (H=128: two blocks).
+    - 64 rows (compute-bound): 8 warps, the float32 accumulator [64, 512] split over both warp
+      groups (128 registers a thread); BLOCK_N 32, 2 stages: q 74 KB + 2 x 37 KB key tiles in
+      shared memory (~147 KB bf16, ~177 KB fp8_ds), 255 registers, a few bytes of spill.
+      Triton gives a chained dot's warps all to its rows, so at 64 rows both warp groups compute
+      the same q.k scores (the latent half of the FLOPs twice); BLOCK_N 64 halves the number
+      of score MMAs but needs ~221 KB of shared memory at 2 stages.
+    - fewer rows (memory-bound, H=16): 8 warps over BLOCK_N 64 keys (one 8-key MMA column slice
+      a warp: no duplicated scores), no spills; ~92 KB shared memory, 128 registers (bf16: two
+      CTAs an SM), 195-254 registers for the fp8 layouts (one CTA).
+    - MAX_SPLITS: enough (request, row block, split) programs to fill the SMs' CTA slots evenly,
+      each split at least 2 key blocks, at most 64 splits.
+    - float32 queries (tests, float32 models) run exact IEEE float32 dots: small blocks.
+    """
+    fp32 = q_dtype == torch.float32
+    block_h = min(16 if fp32 else 64, max(16, triton.next_power_of_2(rows)))
+    if fp32:
+        block_n, num_warps, num_stages, ctas_per_sm = 16, 4, 1, 1
+    elif block_h >= 64:
+        # H200, B=128, L=4096, H=128 bf16: BLOCK_N 64 / 2 stages 692 us, 32 / 2 stages 972 us,
+        # 16: 1517 us. The fp8 layouts load each tile twice (see the kernel): 64 keys would
+        # need 283 KB of shared memory, so they keep 32.
+        block_n = 64 if layout == "bf16" else 32
+        num_warps, num_stages, ctas_per_sm = 8, 2, 1
+    else:
+        # H200, H=16, B=128, L=4096 bf16: BLOCK_N 32 / 4 warps 232 us, 64 / 8 warps 295 us.
+        block_n, num_warps, num_stages, ctas_per_sm = 32, 4, 2, 2 if layout == "bf16" else 1
+    row_blocks = triton.cdiv(rows, block_h)
+    cap = max(1, min(64, triton.cdiv(max_len, block_n) // 2))
+    max_splits = _pick_splits(max(1, batch * row_blocks), num_sms * ctas_per_sm, cap)
+    if block_h < 64 and not fp32:
+        # Memory-bound rows: more splits than the wave rule asks for kept more loads in flight
+        # (H200, H=16, B=128, L=4096: 4 splits 234 us bf16 / 269 us fp8, 2 splits 337 / 368 us).
+        max_splits = max(max_splits, min(4, cap))
+    # fp8 caches: e4m3 -> fp16 is one conversion instruction (bf16 is not), and fp16 keeps
+    # 3 more mantissa bits of q (H200, H=16 fp8: relative error 3.4e-4 vs 1.0e-3 in bf16).
+    fp16_dot = layout != "bf16" and q_dtype == torch.bfloat16
+    return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,
+            "MAX_SPLITS": max_splits, "FP16_DOT": fp16_dot}
+
+
+def _dot_width(dim: int) -> int:
+    """A head dim rounded up to what tl.arange and tl.dot take (DeepSeek's 512 and 64 already are)."""
+    return max(16, triton.next_power_of_2(dim))
+
+
+def _check_config(config: dict, override: dict) -> None:
+    unknown = set(override) - {"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "MAX_SPLITS", "FP16_DOT"}
+    if unknown:
+        raise ValueError(f"mla_decode config: unknown keys {sorted(unknown)}")
+    for key in ("BLOCK_H", "BLOCK_N"):
+        v = config[key]
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"mla_decode config: {key} must be a power of two >= 16, got {v}")
+    if config["MAX_SPLITS"] < 1:
+        raise ValueError(f"mla_decode config: MAX_SPLITS must be >= 1, got {config['MAX_SPLITS']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points
+
+
+def mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, softmax_scale):
+    """The triton backend's ``mla_decode`` (arguments already checked by the generic op's check)."""
+    return mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, softmax_scale)
+
+
+def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, softmax_scale,
+                           config: dict | None = None):
+    """:func:`mla_decode` with optional overrides of :func:`default_config`'s keys (BLOCK_H,
+    BLOCK_N, num_warps, num_stages, MAX_SPLITS); the keys not given keep their default."""
+    check_runnable("mla_decode", _split_kernel, q_nope)
+    # CPU tensors run in Triton's interpreter, whose tl.dot garbles bfloat16 operands and whose
+    # float32 -> bfloat16 conversion truncates: there the dots run in float32 (F32) instead.
+    batch, s_q, heads, latent = q_nope.shape
+    rope = q_pe.shape[-1]
+    if layout == "fp8_ds" and latent & (latent - 1):
+        raise ValueError(f"mlagraph_triton.mla_decode: kv_lora_rank must be a power of two for 'fp8_ds', got {latent}")
+    rows = s_q * heads
+    page_size = kv_cache.shape[1]
+    max_len = block_table.shape[1] * page_size
+    out = torch.empty((batch, s_q, heads, latent), dtype=q_nope.dtype, device=q_nope.device)
+    lse = torch.empty((batch, s_q, heads), dtype=torch.float32, device=q_nope.device)
+    if batch == 0 or rows == 0:
+        return out, lse
+
+    cfg = default_config(batch, rows, max_len, latent, layout, q_nope.dtype, _num_sms(q_nope.device))
+    cfg.update(config or {})
+    _check_config(cfg, config or {})
+    block_h, block_n, max_splits = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["MAX_SPLITS"]
+
+    if kv_cache.stride(-1) != 1:  # rows are read as contiguous runs of bytes / values
+        kv_cache = kv_cache.contiguous()
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        kv_cache = kv_cache.view(torch.uint8)
+    if q_nope.stride(-1) != 1:
+        q_nope = q_nope.contiguous()
+    if q_pe.stride(-1) != 1:
+        q_pe = q_pe.contiguous()
+    direct = max_splits == 1
+    if direct:
+        part_out, part_lse = out.view(batch, 1, rows, latent), lse.view(batch, 1, rows)
+    else:
+        part_out = torch.empty((batch, max_splits, rows, latent), dtype=torch.float32, device=q_nope.device)
+        part_lse = torch.empty((batch, max_splits, rows), dtype=torch.float32, device=q_nope.device)
+
+    grid = (triton.cdiv(rows, block_h), max_splits, batch)
+    _split_kernel[grid](
+        q_nope, q_pe, kv_cache, block_table, seq_lens, scale if layout == "fp8" else None, part_out, part_lse,
+        softmax_scale * _LOG2E,
+        q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), block_table.stride(1), seq_lens.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        max_len,
+        S_Q=s_q, H=heads, L=latent, R=rope, PAGE=page_size, BL=_dot_width(latent), BR=_dot_width(rope),
+        LAYOUT=_LAYOUT_IDS[layout], BLOCK_H=block_h,
+        BLOCK_N=block_n, MAX_SPLITS=max_splits, DIRECT=direct,
+        F32=q_nope.dtype == torch.float32 or q_nope.device.type == "cpu", FP16=bool(cfg["FP16_DOT"]),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if not direct:
+        _combine_kernel[(rows, batch)](
+            part_out, part_lse, out, lse, seq_lens, seq_lens.stride(0), max_len,
+            part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
+            rows * latent, rows,
+            L=latent, BL=_dot_width(latent), BLOCK_N=block_n, MAX_SPLITS=max_splits, SPLITS_P2=triton.next_power_of_2(max_splits),
+            num_warps=4,
+        )
+    return out, lse

@@ -1,0 +1,266 @@
+"""The triton backend's mla_decode against the reference op (mlagraph::mla_decode on CPU).
+
+Caches are written with the layouts helpers into a cache whose unwritten rows are NaN (all-ones
+bytes for fp8_ds), as tests/ops/test_decode.py's build_cache does but for any L and R, so a read
+past a request's length, through a wrong page or through a -1 page poisons the output. CPU cases run Triton's interpreter on tiny shapes (L=128, R=32); the cuda
+cases add DeepSeek-V3 sizes (L=512, R=64, H=16 and 128, page_size 64, lengths up to ~3000) and a
+CUDA-graph capture and replay.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from mlagraph.ops import layouts
+from tests import helpers
+from tests.helpers import arg_error, assert_value_error, make_block_table, slots_for
+from tests.ops.test_decode import CACHE_KINDS, FP8_SCALE, SM_SCALE
+
+triton_decode = torch.ops.mlagraph_triton.mla_decode
+ref_decode = torch.ops.mlagraph.mla_decode
+
+L, R, H = 128, 32, 3  # tiny shapes for the interpreter (fp8_ds needs L divisible by 128)
+# SM_SCALE, FP8_SCALE and the cache kinds are the reference op tests' (tests/ops/test_decode.py).
+SEQ_LENS = [5, 0, 19, 1, 36]  # a padding request, a one-token one, ones longer than a split
+SPLIT = {"BLOCK_N": 16, "MAX_SPLITS": 3}  # tiny blocks: requests of 36 keys span all 3 splits
+
+
+def kernels():
+    """The kernel module (imported lazily, after conftest has set TRITON_INTERPRET)."""
+    return importlib.import_module("mlagraph.ops.triton.decode")
+
+
+def make_cache(kind, seq_lens, page_size, *, latent=L, rope=R, seed=0, table=None, num_pages=None):
+    """Random latents for positions 0..n-1 of every request, written into a NaN-poisoned paged
+    cache. Returns (cache, scale, block_table); pass ``table`` and ``num_pages`` to refill a cache
+    laid out like an earlier one."""
+    layout, model_dtype = CACHE_KINDS[kind]
+    if table is None:
+        num_pages = sum(-(-n // page_size) for n in seq_lens) + 3  # a few never-used pages
+        table = make_block_table(seq_lens, page_size, num_pages, seed=seed, pad_pages=2)
+    shape = (num_pages, page_size, layouts.latent_row_width(layout, latent, rope))
+    dtype = layouts.latent_storage_dtype(layout, model_dtype)
+    if dtype == torch.uint8:
+        cache = torch.full(shape, 255, dtype=torch.uint8)
+    else:
+        cache = torch.full(shape, float("nan")).to(dtype)
+    scale = torch.tensor([FP8_SCALE]) if layout == "fp8" else None
+    g = torch.Generator().manual_seed(seed)
+    for b, n in enumerate(seq_lens):
+        if n:
+            kv_c = torch.randn(n, latent, generator=g).to(model_dtype)
+            k_pe = torch.randn(n, rope, generator=g).to(model_dtype)
+            rows = layouts.quantize_latent(layout, kv_c, k_pe, scale, cache.dtype)
+            layouts.scatter_rows(cache, torch.tensor(slots_for(table, page_size, b, range(n))), rows)
+    return cache, scale, table
+
+
+def make_q(batch, s_q, heads, *, latent=L, rope=R, dtype=torch.float32, seed=1):
+    """q_nope and q_pe as non-contiguous slices of one tensor, as the model makes them."""
+    q = torch.randn(batch, s_q, heads, latent + rope, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return q[..., :latent], q[..., latent:]
+
+
+def decode_args(kind, seq_lens, s_q, page_size, *, heads=H, latent=L, rope=R, q_dtype=torch.float32, seed=0):
+    cache, scale, table = make_cache(kind, seq_lens, page_size, latent=latent, rope=rope, seed=seed)
+    q_nope, q_pe = make_q(len(seq_lens), s_q, heads, latent=latent, rope=rope, dtype=q_dtype, seed=seed + 1)
+    return [q_nope, q_pe, cache, table, torch.tensor(seq_lens, dtype=torch.int32), scale, CACHE_KINDS[kind][0],
+            SM_SCALE]
+
+
+def on(device, args):
+    return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def run(args, device, config=None):
+    """The triton op (default config) or the kernel module with a config override, on ``device``;
+    outputs back on CPU."""
+    dev_args = on(device, args)
+    if config is None:
+        out, lse = triton_decode(*dev_args)
+    else:
+        out, lse = kernels().mla_decode_with_config(*dev_args, config=config)
+    assert out.is_contiguous() and lse.is_contiguous()
+    return out.cpu(), lse.cpu()
+
+
+BF16_TOL = {"atol": 3e-2, "rtol": 2e-2}  # bf16 dots: p, out (and fp8_ds's dequantized rows) in bf16
+
+
+def check(args, device, *, config=None, atol=1e-4, rtol=1e-4):
+    """Runs the kernel and compares with the reference op on CPU; returns (out, lse)."""
+    want_out, want_lse = ref_decode(*args)
+    out, lse = run(args, device, config)
+    assert out.dtype == args[0].dtype and lse.dtype == torch.float32
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))  # same queries see no key
+    torch.testing.assert_close(out.float(), want_out.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse, want_lse, atol=min(atol, 2e-2), rtol=rtol)
+    return out, lse
+
+
+def assert_padding(out, lse, seq_lens, s_q):
+    """A query at position < 0 (all of a padding request's) sees no key: out 0, lse -inf."""
+    for b, n in enumerate(seq_lens):
+        for i in range(s_q):
+            if n - s_q + i < 0:
+                assert torch.all(out[b, i] == 0) and torch.all(lse[b, i] == -math.inf)
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny shapes (interpreter on CPU; compiled on cuda)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("s_q", [1, 3])
+@pytest.mark.parametrize("kind", list(CACHE_KINDS))
+def test_matches_reference_split(device, kind, s_q, page_size):
+    args = decode_args(kind, SEQ_LENS, s_q, page_size)
+    out, lse = check(args, device, config=SPLIT)
+    assert_padding(out, lse, SEQ_LENS, s_q)
+
+
+@pytest.mark.parametrize("kind", list(CACHE_KINDS))
+def test_matches_reference_default_config(device, kind):
+    # Through the op: the heuristic's config (one split at these sizes: out written directly).
+    args = decode_args(kind, SEQ_LENS, 2, 16)
+    out, lse = check(args, device)
+    assert_padding(out, lse, SEQ_LENS, 2)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_ds"])
+@pytest.mark.parametrize("config", [None, SPLIT], ids=["direct", "split"])
+def test_bf16_queries(device, kind, config):
+    args = decode_args(kind, SEQ_LENS, 3, 4, q_dtype=torch.bfloat16)
+    check(args, device, config=config, **BF16_TOL)
+
+
+def test_missing_pages_and_lengths_past_the_table(device):
+    """A -1 page inside a request's length is never read (its keys are skipped, as in the
+    reference); a length past the table's capacity reads only the keys the table holds."""
+    args = decode_args("bf16-f32", SEQ_LENS, 2, 4)
+    table = args[3]
+    table[2, 1] = -1  # request 2 (19 keys) loses keys 4..7
+    args[4] = torch.tensor([5, 0, 19, 1, table.shape[1] * 4 + 5], dtype=torch.int32)
+    check(args, device, config=SPLIT)
+    check(args, device)
+
+
+def test_non_contiguous_cache_and_metadata(device):
+    args = decode_args("fp8_ds", SEQ_LENS, 3, 16)
+    want = run(args, device, SPLIT)
+    dev_args = on(device, args)
+    cache, table, seq_lens = dev_args[2:5]
+    # A layer's cache as a view into an interleaved [pages, layers, page_size, W] allocation.
+    both = torch.full((cache.shape[0], 2, *cache.shape[1:]), 255, dtype=torch.uint8, device=device)
+    both[:, 1] = cache
+    dev_args[2:5] = both[:, 1], table.t().contiguous().t(), torch.stack([seq_lens, seq_lens], dim=1)[:, 0]
+    assert not any(a.is_contiguous() for a in dev_args[2:5])
+    got = kernels().mla_decode_with_config(*dev_args, config=SPLIT)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V3 sizes (cuda only)
+
+DS_L, DS_R, DS_PAGE = 512, 64, 64
+DS_LENS = [2900, 0, 1, 700, 3001, 64, 129]
+
+
+# These sizes would take the CPU interpreter minutes: the device fixture's cuda param only.
+cuda_only = pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)], indirect=True)
+
+
+@cuda_only
+@pytest.mark.parametrize("config", [None, {"MAX_SPLITS": 1}], ids=["default", "one_split"])
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_ds"])
+def test_deepseek_shapes(device, kind, heads, s_q, config):
+    args = decode_args(kind, DS_LENS, s_q, DS_PAGE, heads=heads, latent=DS_L, rope=DS_R, q_dtype=torch.bfloat16)
+    out, lse = check(args, device, config=config, **BF16_TOL)
+    assert_padding(out, lse, DS_LENS, s_q)
+
+
+@cuda_only
+def test_cuda_graph_replay_matches_eager(device):
+    """Captured once, replayed with new lengths (padding <-> live requests), new cache contents and
+    a reshuffled block table: the grid depends on shapes only, so replay equals eager."""
+    capacity, heads, s_q = [1500, 1500, 1500, 1500], 16, 1
+    num_pages = 4 * (1500 // DS_PAGE + 1) + 3
+    states = []
+    for seed, lens in [(0, [1500, 0, 33, 900]), (1, [0, 1200, 1500, 1])]:
+        t = make_block_table(capacity, DS_PAGE, num_pages, seed=seed)
+        cache, _, _ = make_cache("bf16", lens, DS_PAGE, latent=DS_L, rope=DS_R, seed=seed, table=t,
+                                 num_pages=num_pages)
+        q_nope, q_pe = make_q(4, s_q, heads, latent=DS_L, rope=DS_R, dtype=torch.bfloat16, seed=seed + 5)
+        states.append([q_nope, q_pe, cache, t, torch.tensor(lens, dtype=torch.int32)])
+    static = [x.to(device) for x in states[0]]
+    assert states[0][3].shape == states[1][3].shape
+
+    def step():
+        return triton_decode(*static, None, "bf16", SM_SCALE)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for state in states:
+        for dst, src in zip(static, state):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_out, eager_lse = step()
+        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+        want_out, want_lse = ref_decode(*state, None, "bf16", SM_SCALE)
+        torch.testing.assert_close(out.cpu().float(), want_out.float(), **BF16_TOL)
+        torch.testing.assert_close(lse.cpu(), want_lse, atol=2e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration, errors, opcheck
+
+
+def test_default_config_heuristic():
+    cfg = kernels().default_config
+    big = cfg(128, 128, 4096, 512, "bf16", torch.bfloat16)  # compute-bound: 2 row blocks of 64
+    assert (big["BLOCK_H"], big["num_warps"], big["MAX_SPLITS"]) == (64, 8, 1)
+    small = cfg(128, 16, 4096, 512, "bf16", torch.bfloat16)  # memory-bound: one 16-row block
+    assert (small["BLOCK_H"], small["BLOCK_N"]) == (16, 32) and small["MAX_SPLITS"] >= 2
+    lone = cfg(1, 16, 4096, 512, "fp8_ds", torch.bfloat16)  # one request: split its keys wide
+    assert lone["MAX_SPLITS"] >= 16
+    assert cfg(4, 16, 48, 512, "bf16", torch.bfloat16)["MAX_SPLITS"] == 1  # too short to split
+    verify = cfg(8, 3 * 128, 4096, 512, "bf16", torch.bfloat16)  # s_q rows join the heads
+    assert verify["BLOCK_H"] == 64
+
+
+def test_bad_config():
+    args = decode_args("bf16-f32", [3, 0], 1, 4)
+    with pytest.raises(ValueError, match="BLOCK_N must be a power of two"):
+        kernels().mla_decode_with_config(*args, config={"BLOCK_N": 24})
+    with pytest.raises(ValueError, match="MAX_SPLITS must be >= 1"):
+        kernels().mla_decode_with_config(*args, config={"MAX_SPLITS": 0})
+    with pytest.raises(ValueError, match="unknown keys"):
+        kernels().mla_decode_with_config(*args, config={"BLOCK_M": 32})
+
+
+@pytest.mark.parametrize("kind", ["bf16-f32", "fp8"])
+def test_dims_that_are_not_powers_of_two(device, kind):
+    """Tiny models (kv_lora 96, rope 8) run through masked columns of the next power of two."""
+    check(decode_args(kind, [3, 0, 11], 2, 4, latent=96, rope=8), device)
+
+
+def test_bad_input():
+    args = decode_args("fp8", [3, 0, 9], 2, 4)
+    args[3] = args[3].long()
+    assert_value_error(triton_decode, args, arg_error("block_table"))
+
+
+@pytest.mark.parametrize("kind,s_q", [("bf16", 1), ("fp8_ds", 3)])
+def test_opcheck(kind, s_q):
+    helpers.opcheck(triton_decode, decode_args(kind, [3, 0, 9], s_q, 4))
