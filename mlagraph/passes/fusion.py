@@ -29,7 +29,7 @@ from .graph_utils import (
 
 ROPE = "mlagraph::rope"
 WRITE = "mlagraph::latent_cache_write"
-SPLIT_Q_CONSUMERS = ("mlagraph::mla_decode", "mlagraph::sparse_mla")
+SPLIT_Q_CONSUMERS = ("mla_decode", "sparse_mla")  # generic ops that read q_nope and q_pe apart
 
 
 def _cat_dim_is_last(cat: fx.Node) -> bool:
@@ -167,7 +167,7 @@ def eliminate_concat(graph: fx.Graph, backend: Backend) -> dict[int | None, int]
         bounds = [_slice_bounds(u) for u in slices]
         if not all(b == (0, width) or (b[0] == width and b[1] >= (_last_dim(q) or 2**62)) for b in bounds):
             continue
-        if not all(any(op_is_split_q_consumer(c) for c in forward_through_views(u)) for u in slices):
+        if not all(any(op_is_split_q_consumer(c, backend) for c in forward_through_views(u)) for u in slices):
             continue
         if fused_node is not None:
             with graph.inserting_before(fused_node):
@@ -189,8 +189,10 @@ def eliminate_concat(graph: fx.Graph, backend: Backend) -> dict[int | None, int]
     return counts
 
 
-def op_is_split_q_consumer(node: fx.Node) -> bool:
-    return any(is_op(node, name) for name in SPLIT_Q_CONSUMERS)
+def op_is_split_q_consumer(node: fx.Node, backend: Backend) -> bool:
+    """The node is the backend's own decode or sparse MLA op (its name, not the generic one's:
+    a triton-backend graph holds mlagraph_triton::mla_decode)."""
+    return any(is_op(node, backend.op_names[g]) for g in SPLIT_Q_CONSUMERS)
 
 
 def _is_last_dim_slice(node: fx.Node) -> bool:

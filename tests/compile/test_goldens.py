@@ -22,10 +22,10 @@ from mlagraph.model.batch import build_batch
 from tests.model.conftest import hf_config
 
 
-def _model(kind: str, layers: int) -> DeepseekForCausalLM:
+def _model(kind: str, layers: int, backend: str = "reference") -> DeepseekForCausalLM:
     cfg = hf_config(kind).to_dict()
     cfg["num_hidden_layers"] = layers
-    return DeepseekForCausalLM.from_config(cfg, init_std=0.2)
+    return DeepseekForCausalLM.from_config(cfg, init_std=0.2, backend=backend)
 
 
 def _graphs(model: DeepseekForCausalLM, kind: str) -> tuple[str, str]:
@@ -193,3 +193,44 @@ mlagraph.indexer_cache_write(k=v7, k_cache=in41!, slot_mapping=in15, layout='bf1
 v8 = aten.cat([_, v5.1~], -1)
 v9 = mlagraph.mha_prefill(q=v5.0, k=v8, v=_, cu_seqlens_q=in20, cu_seqlens_k=in20, softmax_scale=0.264642, causal=True)
 v10 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in46, down_proj=in47, e_score_correction_bias=in48, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)""")
+
+    # The triton backend: the same rewrites, into its own ops (its fused op returns K too).
+    def test_triton_layer_prefill_after(self):
+        _, after = _graphs(_model("v3", 1, "triton"), "prefill")
+        self.assertExpectedInline(after, """\
+inputs: 27 tensors
+# layer 0
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v1 = aten.cat([_, v0.1~], -1)
+v2 = mlagraph_triton.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)""")
+
+    def test_triton_layer_chunked_prefill_after(self):
+        _, after = _graphs(_model("v3", 1, "triton"), "chunked")
+        self.assertExpectedInline(after, """\
+inputs: 29 tensors
+# layer 0
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_triton.latent_cache_read(kv_cache=in14', block_table=in16, cu_seq_lens=in17, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
+v2 = aten.cat([_, v1.1~], -1)
+v3 = mlagraph_triton.mha_prefill(q=v0.0, k=v2, v=_, cu_seqlens_q=in18, cu_seqlens_k=in17, softmax_scale=0.264642, causal=True)""")
+
+    def test_triton_layer_decode_after(self):
+        _, after = _graphs(_model("v3", 1, "triton"), "decode")
+        self.assertExpectedInline(after, """\
+inputs: 28 tensors
+# layer 0
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_triton.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in14', block_table=in16, seq_lens=in17, scale=None, layout='bf16', softmax_scale=0.264642)""")
+
+    def test_triton_v32_decode_after(self):
+        _, after = _graphs(_model("v32", 1, "triton"), "decode")
+        self.assertExpectedInline(after, """\
+inputs: 35 tensors
+# layer 0
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
+v2 = aten.cat([v1.0, _], -1)
+v3 = aten.cat([v1.1~, _], -1)
+mlagraph_triton.indexer_cache_write(k=v3, k_cache=in20!, slot_mapping=in15, layout='bf16')
+v4 = mlagraph_triton.indexer_topk(q=v2, weights=_, k_cache=in20', req_ids=in23, positions=in13, block_table=in24, layout='bf16', topk=12)
+v5 = mlagraph_triton.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in14', topk_indices=v4, req_ids=in23, block_table=in24, scale=None, layout='bf16', softmax_scale=0.264642)""")
