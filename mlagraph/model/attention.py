@@ -235,7 +235,11 @@ class MLAttention(nn.Module):
             out = self._dsa_split(x, q_lora, q, kv_cache, batch, cos_sin, caches, layer, w_uk, w_uv)
         elif method is ForwardMethod.MHA:
             k, v = self._expand_kv(kv_c, k_rot[:, 0])
-            out, _ = self._prefill(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_q, self.softmax_scale, True)
+            if batch.single_request:  # one request, no prefix: the backend's dense kernel
+                out, _ = self._prefill(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_q, self.softmax_scale, True,
+                                       single_request=True)
+            else:
+                out, _ = self._prefill(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_q, self.softmax_scale, True)
         elif method is ForwardMethod.MHA_PREFIX:
             kv_all, pe_all = self._cache_read(
                 kv_cache, batch.block_table, batch.cu_seqlens_k, caches.scale, caches.layout, R, x.dtype,

@@ -169,6 +169,9 @@ class Batch:
         seq_lens: [B] int32, cached + new tokens of each request after this step.
         cu_seqlens_q: [B+1] int32 new tokens.  cu_seqlens_k: [B+1] int32 seq_lens.
         logits_indices: [N] int64 rows of the hidden states to turn into logits.
+        single_request: (host) the step is one request's prefill with no cached prefix and no
+            padding, so its queries and keys are the same T tokens; set only for a backend with
+            ``dense_prefill_sdpa``, which then runs a dense (non-ragged) kernel for it.
     """
 
     plan: BatchPlan
@@ -184,6 +187,7 @@ class Batch:
     cu_seqlens_k: torch.Tensor
     logits_indices: torch.Tensor
     split: DsaSplit | None = None  # DSA_SPLIT batches only
+    single_request: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -229,7 +233,11 @@ def build_batch(
     mixed = 0 < n_dense < n
     pad_dense = max(0, min_reqs - n_dense) if mixed else max(0, min_reqs - n)
     pad_sparse = max(0, min_reqs - (n - n_dense)) if mixed else 0
-    n_pad = pad_dense + pad_sparse
+    # One request's prefill over no prefix, on a backend with a dense kernel for exactly that:
+    # not padded, so it can take the dense kernel (its own graph variant when compiled).
+    single = (caps.dense_prefill_sdpa and n == 1 and not is_decode[0] and prefix_lens[0] == 0
+              and (not dsa or fits[0]))
+    n_pad = 0 if single else pad_dense + pad_sparse
     if n_pad:
         pad_len = len(token_ids[0]) if n and all(is_decode) else 1
         token_ids = list(token_ids) + [[0] * pad_len] * n_pad
@@ -299,4 +307,5 @@ def build_batch(
         cu_seqlens_k=t(cu_k, torch.int32),
         logits_indices=t(logits_rows, torch.int64),
         split=split,
+        single_request=single and method is ForwardMethod.MHA,
     )

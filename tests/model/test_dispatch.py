@@ -135,6 +135,24 @@ def test_build_batch_metadata():
     assert b.logits_indices.tolist() == [2, 3]
 
 
+def test_single_request_prefill_is_marked_and_not_padded():
+    """With dense_prefill_sdpa (triton), one request's prefill over no prefix is flagged for the
+    dense kernel and not padded (its queries and keys must be the same T tokens); anything else,
+    or the reference backend, is the ordinary padded batch."""
+    triton_caps = backends.get("triton").capabilities
+    one = build_batch(triton_caps, [[1, 2, 3]], [0], [[0]], page_size=4, min_reqs=2)
+    assert one.single_request and one.num_reqs == 1 and one.num_tokens == 3
+    assert one.method is ForwardMethod.MHA
+    for caps, kw in [(backends.get("reference").capabilities, {}),
+                     (triton_caps, {"token_ids": [[1, 2], [3]], "prefix_lens": [0, 0], "pages": [[0], [1]]}),
+                     (triton_caps, {"prefix_lens": [4], "pages": [[0, 1]]}),
+                     (triton_caps, {"is_decode": [True], "token_ids": [[1]], "prefix_lens": [4], "pages": [[0, 1]]})]:
+        args = {"token_ids": [[1, 2, 3]], "prefix_lens": [0], "pages": [[0]], **kw}
+        b = build_batch(caps, args["token_ids"], args["prefix_lens"], args["pages"], page_size=4, min_reqs=2,
+                        is_decode=kw.get("is_decode"))
+        assert not b.single_request and b.num_reqs >= 2
+
+
 def test_backend_registry():
     assert "reference" in backends.names()
     ref = backends.get("reference")
