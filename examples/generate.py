@@ -61,7 +61,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="local Hugging Face checkpoint directory (default: a tiny random model)")
     p.add_argument("--arch", choices=["v3", "v32"], default="v3", help="tiny random model's architecture")
-    p.add_argument("--backend", default="reference", help=f"one of {backends.names()}")
+    p.add_argument("--backend", default="reference",
+                   help=f"one of {backends.names()} (triton on CPU: set TRITON_INTERPRET=1; slow, for checking)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_ds"])
