@@ -104,8 +104,11 @@ class Backend:
         return getattr(getattr(torch.ops, namespace), name)
 
     def owned_ops(self) -> frozenset[str]:
-        """Qualified names of ops private to this backend (not in the shared ``mlagraph`` set)."""
-        return frozenset(q for q in self.op_names.values() if not q.startswith("mlagraph::"))
+        """Qualified names of ops private to this backend: not in the shared ``mlagraph`` set,
+        and not another backend's op it maps as a declared fallback (aiter maps seven of
+        triton's; they stay triton's, or a triton graph would look like aiter's too)."""
+        fallbacks = self.capabilities.fallbacks
+        return frozenset(q for g, q in self.op_names.items() if g not in fallbacks and not q.startswith("mlagraph::"))
 
 
 _REGISTRY: dict[str, Backend] = {}

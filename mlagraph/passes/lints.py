@@ -23,9 +23,10 @@ from .graph_utils import (
 )
 
 WRITE = "mlagraph::latent_cache_write"
-ATTENTION = ("mlagraph::mla_decode", "mlagraph::mha_prefill", "mlagraph::sparse_mla")
+ATTENTION = ("mla_decode", "mha_prefill", "sparse_mla")
+_LATENT_ATTENTION = ("mla_decode", "sparse_mla")  # read q_pe and the latent cache
 # ops that read the latent cache (argument kv_cache)
-_CACHE_READERS = ("mlagraph::mla_decode", "mlagraph::sparse_mla", "mlagraph::latent_cache_read")
+_CACHE_READERS = ("mla_decode", "sparse_mla", "latent_cache_read")
 
 
 class LintError(RuntimeError):
@@ -43,6 +44,12 @@ def _rotations(backend: Backend) -> set[str]:
     if backend.capabilities.fused_applies_rope:
         names.add(backend.op_names["fused_rope_concat_cache_write"])
     return names
+
+
+def _ops(backend: Backend, generics) -> set[str]:
+    """Qualified names of these generic ops: the generic ones and the backend's own (an aiter
+    graph holds mlagraph_aiter::mla_decode, a triton graph mlagraph_triton::mla_decode)."""
+    return {f"mlagraph::{g}" for g in generics} | {backend.op_names[g] for g in generics}
 
 
 def _cache_writers(backend: Backend) -> set[str]:
@@ -67,7 +74,7 @@ def _derives_from_rotation(node, rotations: set[str], depth: int = 0) -> bool:
     return False
 
 
-def _reaches_latent_attention(node: fx.Node, writers: set[str]) -> bool:
+def _reaches_latent_attention(node: fx.Node, writers: set[str], attention: set[str]) -> bool:
     """Does this rotation's output reach the latent cache or an MLA attention op?
 
     Looks through views, getitems and concatenations: MHA prefill reads k_pe through
@@ -80,7 +87,7 @@ def _reaches_latent_attention(node: fx.Node, writers: set[str]) -> bool:
                 continue
             seen.add(user)
             name = op_name(user)
-            if name in writers or name in ATTENTION:
+            if name in writers or name in attention:
                 return True
             if name == "aten::cat":
                 stack.append(user)
@@ -89,6 +96,7 @@ def _reaches_latent_attention(node: fx.Node, writers: set[str]) -> bool:
 
 def lint_rope_once(graph: fx.Graph, backend: Backend) -> None:
     rotations, writers = _rotations(backend), _cache_writers(backend)
+    attention, latent_attention = _ops(backend, ATTENTION), _ops(backend, _LATENT_ATTENTION)
     per_layer: dict[int | None, list[fx.Node]] = {}
     for node in graph.nodes:
         if op_name(node) not in rotations:
@@ -98,7 +106,7 @@ def lint_rope_once(graph: fx.Graph, backend: Backend) -> None:
         rotated_inputs = [a for a in rope_inputs if _derives_from_rotation(a, rotations)]
         if rotated_inputs:
             raise LintError(f"lint_rope_once: RoPE applied twice in {_where(node)}: its input is already rotated")
-        if is_auto_functionalized(node) or _reaches_latent_attention(node, writers):
+        if is_auto_functionalized(node) or _reaches_latent_attention(node, writers, attention):
             per_layer.setdefault(layer_of(node), []).append(node)
     for writer in graph.nodes:
         if op_name(writer) != WRITE:
@@ -110,13 +118,13 @@ def lint_rope_once(graph: fx.Graph, backend: Backend) -> None:
             where = ", ".join(_where(n) for n in nodes)
             raise LintError(f"lint_rope_once: layer {layer}: q_pe/k_pe rotated {len(nodes)} times: {where}")
     for attn in graph.nodes:
-        if op_name(attn) in ("mlagraph::mla_decode", "mlagraph::sparse_mla"):
+        if op_name(attn) in latent_attention:
             if not _derives_from_rotation(op_arg(attn, "q_pe"), rotations):
                 raise LintError(f"lint_rope_once: RoPE skipped in {_where(attn)}: q_pe is not rotated")
 
 
 def lint_write_once(graph: fx.Graph, backend: Backend) -> None:
-    writers = _cache_writers(backend)
+    writers, readers = _cache_writers(backend), _ops(backend, _CACHE_READERS)
     per_cache: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
         if op_name(node) in writers:
@@ -132,7 +140,7 @@ def lint_write_once(graph: fx.Graph, backend: Backend) -> None:
     # A cache that attention reads must have been written this step (the new tokens' latents):
     # zero writes means the step attends to stale rows.
     for node in graph.nodes:
-        if op_name(node) in _CACHE_READERS:
+        if op_name(node) in readers:
             cache = tensor_root(op_arg(node, "kv_cache"))
             if cache not in per_cache:
                 raise LintError(
