@@ -20,4 +20,5 @@ from . import layouts  # noqa: F401
 from . import rope, cache, decode, prefill, sparse, indexer, moe  # noqa: F401  (registers the ops)
 from . import backends  # noqa: F401
 from . import triton  # noqa: F401  (registers the triton backend and its ops)
+from . import aiter  # noqa: F401  (registers the aiter backend and its ops; amd-aiter optional)
 from .rope import rope_cos_sin_cache  # noqa: F401

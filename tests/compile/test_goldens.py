@@ -234,3 +234,37 @@ v3 = aten.cat([v1.1~, _], -1)
 mlagraph_triton.indexer_cache_write(k=v3, k_cache=in20!, slot_mapping=in15, layout='bf16')
 v4 = mlagraph_triton.indexer_topk(q=v2, weights=_, k_cache=in20', req_ids=in23, positions=in13, block_table=in24, layout='bf16', topk=12)
 v5 = mlagraph_triton.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in14', topk_indices=v4, req_ids=in23, block_table=in24, scale=None, layout='bf16', softmax_scale=0.264642)""")
+
+    # The aiter backend: aiter's fused op returns no K (fused_returns_k=False), so MHA prefill,
+    # which builds its keys from the rotated K, stays unfused (RoPE once, by mlagraph.rope);
+    # where only the cache write needs K (MHA over the prefix read back, decode) the layer is
+    # fused and the fused op's K (v0.1) is never read. aiter's decode reads q concatenated: no
+    # concat is eliminated, both halves come from the fused op's q.
+    def test_aiter_layer_prefill_after(self):
+        _, after = _graphs(_model("v3", 1, "aiter"), "prefill")
+        self.assertExpectedInline(after, """\
+inputs: 27 tensors
+# layer 0
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=True)
+v1 = aten.cat([_, v0.0], -1)
+mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16')
+v2 = aten.cat([_, v0.1~], -1)
+v3 = mlagraph_triton.mha_prefill(q=v1, k=v2, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)""")
+
+    def test_aiter_layer_chunked_prefill_after(self):
+        _, after = _graphs(_model("v3", 1, "aiter"), "chunked")
+        self.assertExpectedInline(after, """\
+inputs: 29 tensors
+# layer 0
+v0 = mlagraph_aiter.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_triton.latent_cache_read(kv_cache=in14', block_table=in16, cu_seq_lens=in17, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
+v2 = aten.cat([_, v1.1~], -1)
+v3 = mlagraph_triton.mha_prefill(q=v0.0, k=v2, v=_, cu_seqlens_q=in18, cu_seqlens_k=in17, softmax_scale=0.264642, causal=True)""")
+
+    def test_aiter_layer_decode_after(self):
+        _, after = _graphs(_model("v3", 1, "aiter"), "decode")
+        self.assertExpectedInline(after, """\
+inputs: 28 tensors
+# layer 0
+v0 = mlagraph_aiter.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_aiter.mla_decode(q_nope=v0.0~, q_pe=v0.0~, kv_cache=in14', block_table=in16, seq_lens=in17, scale=None, layout='bf16', softmax_scale=0.264642)""")
