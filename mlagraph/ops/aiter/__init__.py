@@ -35,12 +35,9 @@ interpreter when ``TRITON_INTERPRET=1`` was set before they are first loaded.
 
 from __future__ import annotations
 
-import importlib
-
-import torch
-
 from .. import cache as _cache, decode as _decode
 from ..backends import GENERIC_OPS, Backend, Capabilities, register
+from ..twins import define_twin
 from ..triton import NAMESPACE as _TRITON_NAMESPACE
 from ._loader import INSTALL_HINT, PACKAGE, available, load
 
@@ -108,24 +105,8 @@ _OPS = {
 }
 
 
-def _define(generic: str) -> None:
-    check, fake = _OPS[generic]
-    schema = getattr(torch.ops.mlagraph, generic).default._schema
-    mutates = tuple(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
-    signature = str(schema)[len(f"mlagraph::{generic}"):]
-
-    def impl(*args):
-        check(*args)
-        kernels = importlib.import_module(f"{__name__}.kernels")
-        return getattr(kernels, generic)(*args)
-
-    impl.__name__ = generic
-    op = torch.library.custom_op(f"{NAMESPACE}::{generic}", impl, mutates_args=mutates, schema=signature)
-    op.register_fake(fake)
-
-
-for _generic in _OPS:
-    _define(_generic)
+for _generic, (_check, _fake) in _OPS.items():
+    define_twin(NAMESPACE, _generic, _check, _fake, f"{__name__}.kernels")
 
 # Every generic op without an aiter kernel, and the backend whose op it runs.
 FALLBACKS = {g: "triton" for g in GENERIC_OPS if g not in _OPS and g != "moe"} | {"moe": "reference"}

@@ -22,15 +22,13 @@ it a CPU call raises a ValueError saying so.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-
-import torch
 
 # Aliased: the kernel modules below share these names (mlagraph.ops.triton.decode is ours).
 from .. import cache as _cache, decode as _decode, indexer as _indexer, prefill as _prefill, rope as _rope
 from .. import sparse as _sparse
 from ..backends import GENERIC_OPS, Backend, Capabilities, register
+from ..twins import define_twin
 
 NAMESPACE = "mlagraph_triton"
 
@@ -53,24 +51,8 @@ _OPS = {
 }
 
 
-def _define(generic: str) -> None:
-    module, check, fake = _OPS[generic]
-    schema = getattr(torch.ops.mlagraph, generic).default._schema
-    mutates = tuple(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
-    signature = str(schema)[len(f"mlagraph::{generic}"):]  # "(Tensor q_pe, ...) -> (...)"
-
-    def impl(*args):
-        check(*args)
-        kernels = importlib.import_module(f"{__name__}.{module}")
-        return getattr(kernels, generic)(*args)
-
-    impl.__name__ = generic
-    op = torch.library.custom_op(f"{NAMESPACE}::{generic}", impl, mutates_args=mutates, schema=signature)
-    op.register_fake(fake)
-
-
-for _generic in _OPS:
-    _define(_generic)
+for _generic, (_module, _check, _fake) in _OPS.items():
+    define_twin(NAMESPACE, _generic, _check, _fake, f"{__name__}.{_module}")
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
