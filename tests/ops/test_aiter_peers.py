@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from benchmarks import aiter_peers as peers
-from mlagraph.ops import aiter as aiter_loader
+from mlagraph.ops.aiter import _loader as aiter_loader
 from mlagraph.ops.rope import rope_cos_sin_cache
 from tests.helpers import make_block_table, slots_for
 
