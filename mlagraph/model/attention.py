@@ -72,13 +72,15 @@ class Indexer(nn.Module):
         self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
         self._cache_write = backend.op("indexer_cache_write")
         self._topk = backend.op("indexer_topk")
+        # The backend's rope: nothing fuses the indexer's (NeoX) RoPE, so it runs as called.
+        self._rope = backend.op("rope")
 
     def _keys(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """x [T,D] -> rotated index keys [T, head_dim]."""
         T, R = x.shape[0], self.rope_dim
         k = self.k_norm(self.wk(x))
         no_q = k.new_empty(T, 0, R)  # keys only: a rope call with no query heads
-        _, k_rot = mlagraph.rope(no_q, k[:, None, :R], positions, cos_sin, False)
+        _, k_rot = self._rope(no_q, k[:, None, :R], positions, cos_sin, False)
         return torch.cat([k_rot[:, 0], k[:, R:]], dim=-1)
 
     def write_keys(
@@ -96,7 +98,7 @@ class Indexer(nn.Module):
         T, R = x.shape[0], self.rope_dim
         q = self.wq_b(q_lora).view(T, self.n_heads, self.head_dim)
         no_k = q.new_zeros(T, 1, R)  # queries only (the keys are in the cache)
-        q_rot, _ = mlagraph.rope(q[..., :R], no_k, positions, cos_sin, False)
+        q_rot, _ = self._rope(q[..., :R], no_k, positions, cos_sin, False)
         q = torch.cat([q_rot, q[..., R:]], dim=-1)
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, Hi]
         return self._topk(q, w, k_cache, req_ids, positions, block_table, layout, self.topk)
@@ -113,7 +115,7 @@ class Indexer(nn.Module):
         q = self.wq_b(q_lora).view(T, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(x))  # [T, head_dim]
         # NeoX (half-split) RoPE on the first R dims, unlike the main MLA's interleaved pairs.
-        q_rot, k_rot = mlagraph.rope(q[..., :R], k[:, None, :R], batch.positions, cos_sin, False)
+        q_rot, k_rot = self._rope(q[..., :R], k[:, None, :R], batch.positions, cos_sin, False)
         q = torch.cat([q_rot, q[..., R:]], dim=-1)
         k = torch.cat([k_rot[:, 0], k[:, R:]], dim=-1)
         self._cache_write(k, k_cache, batch.slot_mapping, layout)

@@ -228,7 +228,7 @@ v1 = mlagraph_triton.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in14', block_tabl
 inputs: 35 tensors
 # layer 0
 v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
+v1 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
 v2 = aten.cat([v1.0, _], -1)
 v3 = aten.cat([v1.1~, _], -1)
 mlagraph_triton.indexer_cache_write(k=v3, k_cache=in20!, slot_mapping=in15, layout='bf16')

@@ -342,7 +342,7 @@ def _rope_concat(q_nope, q_pe, kv_c, k_pe, positions, cos_sin_cache, kv_cache, s
     cfg = {**rope_cache_config(t, h, dn, r, q_pe.element_size()), **(config or {})}
     if layout is None:
         layout_id, cache, latent = _NO_CACHE, q_pe, 1
-        kv_c = q_pe[:, 0]  # unused placeholders for the cache arguments
+        kv_c = k_pe[:, 0]  # unused placeholders for the cache arguments (k_pe always has a head)
         slot_mapping, cache_strides, page_size = positions, (0, 0, 0), 1
     else:
         layout_id, cache, latent = _LAYOUT_ID[layout], _cache_view(kv_cache), kv_c.shape[1]

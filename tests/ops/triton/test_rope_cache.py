@@ -103,6 +103,18 @@ def test_rope(device, interleaved, dtype, pos_dtype):
     _close(k_rot, want_k)
 
 
+def test_rope_keys_only(device):
+    """No query heads (the V3.2 indexer rotates its keys alone): K is still rotated."""
+    d = _dims(device)
+    t, r = d["T"], d["R"]
+    args = (torch.randn(t, 0, r, device=device), torch.randn(t, 1, r, device=device),
+            torch.randint(0, d["POS"], (t,), device=device), _table(r, d["POS"], device), False)
+    q_rot, k_rot = tri.rope(*args)
+    want_q, want_k = ref.rope(*_cpu(args))
+    assert q_rot.shape == (t, 0, r)
+    _close(k_rot, want_k)
+
+
 # ---------------------------------------------------------------------------------------------
 # latent_cache_write
 
