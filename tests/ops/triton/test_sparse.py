@@ -17,10 +17,10 @@ import random
 import pytest
 import torch
 
-from mlagraph.ops import layouts
 from tests import helpers
-from tests.helpers import arg_error, assert_value_error, make_block_table, slots_for
-from tests.ops.test_decode import CACHE_KINDS, FP8_SCALE, SM_SCALE
+from tests.helpers import arg_error, assert_value_error
+from tests.ops.test_decode import CACHE_KINDS, SM_SCALE
+from tests.ops.triton.test_decode import make_cache
 
 # DeepSeek-sized shapes run on the GPU only (the CPU interpreter would take minutes).
 GPU_ONLY = pytest.mark.parametrize("device", [pytest.param(torch.device("cuda"), marks=pytest.mark.gpu, id="cuda")])
@@ -29,7 +29,8 @@ triton_sparse = torch.ops.mlagraph_triton.sparse_mla
 ref_sparse = torch.ops.mlagraph.sparse_mla
 
 L, R, H = 128, 32, 3  # tiny shapes for the interpreter (fp8_ds needs L divisible by 128)
-# SM_SCALE, FP8_SCALE and the cache kinds are the reference op tests' (tests/ops/test_decode.py).
+# SM_SCALE and the cache kinds are the reference op tests' (tests/ops/test_decode.py); make_cache the
+# triton decode tests' (the same NaN-poisoned paged caches).
 SEQ_LENS = [6, 21, 0, 40]
 # (request, position) of each token, requests interleaved; request 2 is padding (selects nothing)
 TOKENS = [(0, 5), (1, 0), (1, 20), (3, 39), (3, 7), (2, 0), (1, 13), (3, 25)]
@@ -41,26 +42,6 @@ WIDE = {"BLOCK_H": 16, "BLOCK_N": 32}
 def kernels():
     """The kernel module (imported lazily, after conftest has set TRITON_INTERPRET)."""
     return importlib.import_module("mlagraph.ops.triton.sparse")
-
-
-def make_cache(kind, seq_lens, page_size, *, latent=L, rope=R, seed=0):
-    """Random latents for positions 0..n-1 of every request, written into a NaN-poisoned paged
-    cache with shuffled pages. Returns (cache, scale, block_table)."""
-    layout, model_dtype = CACHE_KINDS[kind]
-    num_pages = sum(-(-n // page_size) for n in seq_lens) + 3  # a few never-used pages
-    table = make_block_table(seq_lens, page_size, num_pages, seed=seed, pad_pages=2)
-    shape = (num_pages, page_size, layouts.latent_row_width(layout, latent, rope))
-    dtype = layouts.latent_storage_dtype(layout, model_dtype)
-    cache = torch.full(shape, 255, dtype=dtype) if dtype == torch.uint8 else torch.full(shape, math.nan).to(dtype)
-    scale = torch.tensor([FP8_SCALE]) if layout == "fp8" else None
-    g = torch.Generator().manual_seed(seed)
-    for b, n in enumerate(seq_lens):
-        if n:
-            kv_c = torch.randn(n, latent, generator=g).to(model_dtype)
-            k_pe = torch.randn(n, rope, generator=g).to(model_dtype)
-            rows = layouts.quantize_latent(layout, kv_c, k_pe, scale, cache.dtype)
-            layouts.scatter_rows(cache, torch.tensor(slots_for(table, page_size, b, range(n))), rows)
-    return cache, scale, table
 
 
 def make_topk(tokens, k, *, seed=0, empty=EMPTY) -> torch.Tensor:
