@@ -132,3 +132,17 @@ class NoHostSync(TorchDispatchMode):
             with self:
                 return self.bodies[name](*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def capture_cuda_graph(step: Callable):
+    """Runs ``step()`` once on a side stream (kernels compile, the allocator settles), then
+    captures one call in a CUDA graph. Returns (graph, the captured call's outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

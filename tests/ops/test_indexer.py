@@ -8,6 +8,7 @@ import torch
 import mlagraph  # noqa: F401  (registers the ops)
 from mlagraph.ops import layouts
 from tests import helpers
+from tests.helpers import capture_cuda_graph
 
 write_op = torch.ops.mlagraph.indexer_cache_write
 topk_op = torch.ops.mlagraph.indexer_topk
@@ -389,14 +390,7 @@ def test_cuda_graph_capture(layout, dtype):
         write_op(k, cache, slots, layout)
         return topk_op(q, weights, cache, req_ids, positions, table, layout, 6)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up outside the graph
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_cuda_graph(step)
 
     k.copy_(torch.randn_like(k))
     q.copy_(torch.randn_like(q))

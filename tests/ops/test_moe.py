@@ -12,6 +12,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Confi
 import mlagraph  # noqa: F401  (registers the ops)
 from mlagraph.ops.moe import route
 from tests import helpers
+from tests.helpers import capture_cuda_graph
 
 moe_op = torch.ops.mlagraph.moe
 
@@ -255,14 +256,7 @@ def test_moe_cuda_graph_capture():
     m = hf_moe(*routing[1:])
     args = moe_args(m, torch.randn(T, HIDDEN), routing)
     args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        moe_op(*args)  # warm-up outside the graph
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_op(*args)
+    graph, out = capture_cuda_graph(lambda: moe_op(*args))
     args[0].copy_(torch.randn_like(args[0]))
     args[1].copy_(torch.randn_like(args[1]))
     graph.replay()

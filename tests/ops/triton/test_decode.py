@@ -17,7 +17,7 @@ import torch
 
 from mlagraph.ops import layouts
 from tests import helpers
-from tests.helpers import arg_error, assert_value_error, make_block_table, slots_for
+from tests.helpers import arg_error, assert_value_error, capture_cuda_graph, make_block_table, slots_for
 from tests.ops.test_decode import CACHE_KINDS, FP8_SCALE, SM_SCALE
 
 triton_decode = torch.ops.mlagraph_triton.mla_decode
@@ -205,11 +205,7 @@ def test_cuda_graph_replay_matches_eager(device):
     def step():
         return triton_decode(*static, None, "bf16", SM_SCALE)
 
-    step()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = step()
+    graph, (out, lse) = capture_cuda_graph(step)
     for state in states:
         for dst, src in zip(static, state):
             dst.copy_(src)

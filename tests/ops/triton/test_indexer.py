@@ -21,6 +21,7 @@ import torch
 
 from mlagraph.ops import layouts
 from tests import helpers
+from tests.helpers import capture_cuda_graph
 
 ref_write = torch.ops.mlagraph.indexer_cache_write
 ref_topk = torch.ops.mlagraph.indexer_topk
@@ -364,14 +365,7 @@ def test_cuda_graph_capture(layout, cache_dtype):
         tri_write(k, cache, slots, layout)
         return tri_topk(*args)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles the kernels outside the graph
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_cuda_graph(step)
 
     k.copy_(torch.randn_like(k))
     q.copy_(torch.randn_like(q))

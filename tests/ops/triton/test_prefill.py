@@ -19,7 +19,7 @@ import torch
 
 import mlagraph.ops.triton as triton_backend  # registers torch.ops.mlagraph(_triton).*
 from tests import helpers
-from tests.helpers import arg_error, assert_value_error
+from tests.helpers import arg_error, assert_value_error, capture_cuda_graph
 
 # DeepSeek-sized shapes run on the GPU only (the CPU interpreter would take minutes).
 GPU_ONLY = pytest.mark.parametrize("device", [pytest.param(torch.device("cuda"), marks=pytest.mark.gpu, id="cuda")])
@@ -235,11 +235,7 @@ def test_cuda_graph_replay_matches_eager(device):
     args = on(device, ds_args("ragged_prefix", 16))
     q, k, v, cu_q, cu_k = args[:5]
     step = lambda: triton_prefill(q, k, v, cu_q, cu_k, DS_SCALE, True)  # noqa: E731
-    step()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = step()
+    graph, (out, lse) = capture_cuda_graph(step)
     total_q, total_k = q.shape[0] - 37, k.shape[0]
     for q_lens, k_lens in [([300, 1, 1500, 64], [1800, 900, 1500, 1064]),
                            ([total_q - 10, 0, 10, 0], [total_q, 100, 10, total_k - total_q - 110])]:

@@ -12,7 +12,7 @@ import torch
 from mlagraph.ops import layouts  # (imports mlagraph, which registers the ops)
 from mlagraph.ops.rope import rope_cos_sin_cache
 from tests import helpers
-from tests.helpers import NoHostSync, arg_error, assert_value_error, make_block_table, slots_for
+from tests.helpers import NoHostSync, arg_error, assert_value_error, capture_cuda_graph, make_block_table, slots_for
 
 ref = torch.ops.mlagraph
 tri = torch.ops.mlagraph_triton
@@ -272,14 +272,7 @@ def test_fused_cuda_graph_replay():
         pytest.fail("gpu tests need a CUDA device")
     dev = torch.device("cuda")
     args = list(_fused_args(dev, "fp8_ds", BF16, U8, True, 128, 128, 512))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        tri.fused_rope_concat_cache_write(*args)  # compiles the kernel outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        q, k = tri.fused_rope_concat_cache_write(*args)
+    graph, (q, k) = capture_cuda_graph(lambda: tri.fused_rope_concat_cache_write(*args))
     fresh = _fused_args(dev, "fp8_ds", BF16, U8, True, 128, 128, 512)
     for i in (0, 1, 2, 3, 4, 7):  # q_nope, q_pe, kv_c, k_pe, positions, slots
         args[i].copy_(fresh[i])

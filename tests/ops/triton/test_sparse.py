@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests import helpers
-from tests.helpers import arg_error, assert_value_error
+from tests.helpers import arg_error, assert_value_error, capture_cuda_graph
 from tests.ops.test_decode import CACHE_KINDS, SM_SCALE
 from tests.ops.triton.test_decode import make_cache
 
@@ -238,11 +238,7 @@ def test_cuda_graph_replay_matches_eager(device):
     the grid depends on shapes only, so replay equals eager."""
     args = on(device, ds_args("fp8_ds", 128, 2048))
     step = lambda: triton_sparse(*args)  # noqa: E731
-    step()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = step()
+    graph, (out, lse) = capture_cuda_graph(step)
     for seed in (0, 1):
         new = ds_args("fp8_ds", 128, 2048, seed=seed)
         args[3].copy_(new[3])
