@@ -427,7 +427,7 @@ def bench_indexer(rows, args, g):
 
     def check(out):
         got = out[sub].long()
-        if (got < 0).any() or got.unique(dim=1).shape[1] != topk and any(r.unique().numel() != topk for r in got):
+        if (got < 0).any() or any(r.unique().numel() != topk for r in got):  # visible and distinct
             return float("inf")
         picked = ref_scores.gather(1, got).sort(dim=1, descending=True).values
         best = ref_scores.topk(topk, dim=1).values
@@ -436,7 +436,7 @@ def bench_indexer(rows, args, g):
     run = Runner(rows, name, flops, nbytes, tol=1e-2)
     run.run("triton", lambda: OURS.indexer_topk(*args_), check)
     small = (q[:16], w[:16], k_cache, req[:16], positions[:16], table, "fp8", topk)
-    run.run("eager", lambda: REF.indexer_topk(*small), lambda out: check(torch.cat([out, out])[: b]),
+    run.run("eager", lambda: REF.indexer_topk(*small), check,
             note="timed on 16 of 128 requests (memory); time scaled x8")
     if rows[-1].time_us:
         rows[-1].time_us *= b / 16
