@@ -192,3 +192,48 @@ class DeepseekConfig:
                 raise ValueError(
                     f"config: index_head_dim: expected >= qk_rope_head_dim={self.qk_rope_head_dim}, got {self.index_head_dim}"
                 )
+
+
+def deepseek_v3_shaped(num_hidden_layers: int = 2, **overrides: Any) -> dict:
+    """A Hugging Face config dict with DeepSeek-V3's real attention and hidden dimensions
+    (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, nope 128, rope 64, v 128, YaRN RoPE,
+    the real 129280-token vocabulary) but few layers and a small MoE (8 routed experts of
+    intermediate 256, top-2, one shared expert), so it fits one GPU with room for a long cache.
+
+    The end-to-end benchmark and the GPU example build their random models from it, and
+    transformers' ``DeepseekV3Config(**deepseek_v3_shaped())`` builds the same architecture.
+    ``overrides`` replace any key (say ``vocab_size`` or ``n_routed_experts``).
+    """
+    cfg = dict(
+        model_type="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=256,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=0,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=163840,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+        },
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+    )
+    cfg.update(overrides)
+    return cfg

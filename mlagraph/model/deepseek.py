@@ -121,9 +121,9 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cos_sin = rope_cos_sin_cache(
+        cos_sin = rope_cos_sin_cache(  # on the CPU: the same table whatever the device
             cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-            max_position_embeddings=cfg.max_position_embeddings,
+            max_position_embeddings=cfg.max_position_embeddings, device="cpu",
         )
         self.register_buffer("rope_cos_sin", cos_sin, persistent=False)  # [max_pos, R] float32
 
@@ -137,12 +137,16 @@ class DeepseekForCausalLM(nn.Module):
         """A randomly initialised model from a HF config (object, dict, or config.json path).
 
         Linear and embedding weights ~ N(0, init_std) (default: the config's initializer_range,
-        else 0.02); norms are ones; the routing bias is small and random so it matters.
+        else 0.02); norms are ones; the routing bias is small and random so it matters. On a
+        CUDA device the model is built and sampled there (a DeepSeek-V3-sized model in seconds),
+        so its weights differ from the CPU model of the same seed.
         """
         cfg = DeepseekConfig.from_hf(hf_config)
         std = init_std if init_std is not None else _initializer_range(hf_config)
-        model = cls(cfg, backend=backend, kv_cache_dtype=kv_cache_dtype)
-        g = torch.Generator().manual_seed(seed)
+        on_gpu = torch.device(device).type == "cuda"
+        with torch.device(device if on_gpu else "cpu"):
+            model = cls(cfg, backend=backend, kv_cache_dtype=kv_cache_dtype)
+        g = torch.Generator(device=device if on_gpu else "cpu").manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
@@ -150,10 +154,10 @@ class DeepseekForCausalLM(nn.Module):
                 elif name.endswith(".bias"):
                     p.zero_()
                 else:
-                    p.copy_(torch.randn(p.shape, generator=g) * std)
+                    p.copy_(torch.randn(p.shape, generator=g, device=g.device) * std)
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
-                    b.copy_(torch.rand(b.shape, generator=g) * 0.1)
+                    b.copy_(torch.rand(b.shape, generator=g, device=g.device) * 0.1)
         return model.to_device_dtype(device, dtype)
 
     @classmethod
