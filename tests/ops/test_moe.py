@@ -141,6 +141,21 @@ def test_moe_matches_loop(routing, dtype, tol):
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_expert_loop_equals_batched(monkeypatch, dtype):
+    """Large batches run one expert at a time, small ones batched: the same numbers."""
+    import mlagraph.ops.moe as moe_module
+
+    routing = ROUTINGS[3]
+    m = hf_moe(*routing[1:])
+    args = moe_args(m, torch.randn(T, HIDDEN), routing, dtype)
+    batched = moe_op(*args)
+    monkeypatch.setattr(moe_module, "_BATCHED_MAX_ROWS", 0)
+    looped = moe_op(*args)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(looped.float(), batched.float(), rtol=tol, atol=tol * batched.abs().max().item())
+
+
 @pytest.mark.parametrize("routing", [ROUTINGS[1], ROUTINGS[3], ROUTINGS[5]], ids=["v2", "v3", "v3_one_group"])
 def test_moe_matches_transformers_experts(routing):
     """transformers' MoE block minus its shared experts: gate -> experts."""
