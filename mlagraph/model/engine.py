@@ -11,6 +11,10 @@ batch plan and the forward method are decided on the host before the step runs
 (mlagraph.model.batch). Pages are allocated from a free list; the cache holds
 ``max_num_seqs * ceil(max_model_len / page_size)`` pages unless told otherwise, so admitted
 requests never run out.
+
+With ``cuda_graphs=True`` (CUDA only) decode steps replay CUDA graphs captured in the
+constructor, one per batch-size bucket (mlagraph.model.cuda_graphs); prefill steps, and decode
+batches larger than the largest bucket, run the (compiled) step without graphs.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .batch import build_batch
+from . import cuda_graphs as graphs
+from .batch import BatchKind, BatchPlan, build_batch, choose_forward_method
 from .deepseek import DeepseekForCausalLM
 
 
@@ -95,7 +100,10 @@ class Engine:
         page_size: tokens per cache page.
         compile: run the step through :func:`mlagraph.compile` (Inductor + mlagraph's passes),
             fullgraph with dynamic token and request dimensions.
-        cuda_graphs: capture decode steps in CUDA graphs (CUDA only).
+        cuda_graphs: capture decode steps in CUDA graphs (CUDA only), one per batch-size bucket
+            (and per forward method for DSA models), in the constructor. A batch pads up to
+            its bucket with slot -1 rows. With ``compile_options={"mode": "reduce-overhead"}``
+            Inductor's CUDA-graph trees do the capture over the same static buckets instead.
         prefill_chunk_size: token budget per step; prompts longer than it are prefilled in
             chunks over their cached prefix. None: whole prompts in one step.
         num_pages: cache pages (default: enough for max_num_seqs full-length requests).
@@ -105,13 +113,21 @@ class Engine:
         dsa_dense_max_kv_len: DSA models (V3.2) run a batch with dense attention when no
             request's kv length exceeds this (default: index_topk, where dense is exact). Larger
             values approximate DSA; 0 forces sparse.
+        compile_options: more keyword arguments for :func:`mlagraph.compile` (``mode``,
+            ``passes``, ``strict``, ``lint``, ``options``). A mode that makes Inductor capture
+            CUDA graphs ("reduce-overhead", "max-autotune") applies to decode steps only;
+            prefill runs a separately compiled step without graphs.
+        cuda_graph_batch_sizes: the buckets (default: powers of two up to max_num_seqs, and
+            max_num_seqs). With compile=True sizes below 2 run in the 2 bucket.
+        progress: show a progress bar while capturing (None: only on a terminal).
     """
 
     def __init__(
         self, model: DeepseekForCausalLM, max_num_seqs: int = 8, max_model_len: int = 1024, page_size: int = 16,
         compile: bool = False, cuda_graphs: bool = False, prefill_chunk_size: int | None = None,
         num_pages: int | None = None, seed: int = 0, compile_backend: str = "mlagraph",
-        dsa_dense_max_kv_len: int | None = None,
+        dsa_dense_max_kv_len: int | None = None, compile_options: dict | None = None,
+        cuda_graph_batch_sizes: Sequence[int] | None = None, progress: bool | None = None,
     ):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("page_size", page_size)):
             if not isinstance(value, int) or value < 1:
@@ -124,11 +140,23 @@ class Engine:
                 f"Engine: max_model_len: expected <= max_position_embeddings "
                 f"({model.config.max_position_embeddings}), got {max_model_len}"
             )
+        if compile_options is not None and not isinstance(compile_options, dict):
+            raise ValueError(f"Engine: compile_options: expected a dict or None, got {compile_options!r}")
+        if compile_options and not compile:
+            raise ValueError(f"Engine: compile_options: given {sorted(compile_options)} but compile=False")
         self.device = model.lm_head.weight.device
         if cuda_graphs:
             if self.device.type != "cuda":
                 raise ValueError(f"Engine: cuda_graphs=True needs a model on a CUDA device, got {self.device}")
-            raise NotImplementedError("Engine: cuda_graphs=True arrives with the graph-captured decode issue")
+            caps = model.backend.capabilities
+            unsafe = sorted(set(model.backend.op_names) - caps.cuda_graph_safe)
+            if unsafe:
+                raise ValueError(
+                    f"Engine: cuda_graphs=True: backend {model.backend.name!r} declares ops that are not "
+                    f"CUDA-graph safe: {unsafe}"
+                )
+        elif cuda_graph_batch_sizes is not None:
+            raise ValueError("Engine: cuda_graph_batch_sizes: given but cuda_graphs=False")
         index_topk = model.config.index_topk
         if dsa_dense_max_kv_len is None:
             dsa_dense_max_kv_len = index_topk
@@ -146,14 +174,25 @@ class Engine:
         self.stats = StepStats()
         self._step_fn = model
         self._min_reqs = 1
+        decode_fn, inductor_graphs = model, False
         if compile:
             from ..compiler import compile as mlagraph_compile
 
             # Dynamic token / request dimensions: one graph per batch-plan variant, whatever the
             # batch size. Batches are padded to >= 2 requests because torch.compile treats a
             # size of 1 as a special case (it would compile that size separately).
-            self._step_fn = mlagraph_compile(model, backend=compile_backend, fullgraph=True, dynamic=True)
+            options = dict(compile_options or {})
+            mode = options.pop("mode", None)
+            kw = dict(backend=compile_backend, fullgraph=True, dynamic=True, **options)
+            inductor_graphs = mode is not None and bool(torch._inductor.list_mode_options(mode).get("triton.cudagraphs"))
+            # Prefill never runs in Inductor's graphs (one per prompt length would pile up).
+            self._step_fn = mlagraph_compile(model, **kw, mode=None if inductor_graphs else mode)
+            decode_fn = mlagraph_compile(model, **kw, mode=mode) if inductor_graphs else self._step_fn
             self._min_reqs = 2
+        self._decode_fn, self._inductor_graphs = decode_fn, inductor_graphs
+        self.graphs = None  # DecodeGraphs | InductorDecodeGraphs
+        if cuda_graphs:
+            self.graphs = self._capture(decode_fn, inductor_graphs, cuda_graph_batch_sizes, progress)
 
     # --- public API ----------------------------------------------------------------------
 
@@ -223,6 +262,37 @@ class Engine:
 
     # --- internals -----------------------------------------------------------------------
 
+    def _capture(self, decode_fn, inductor_graphs: bool, sizes, progress):
+        if sizes is None:
+            buckets = graphs.default_buckets(self.max_num_seqs, self._min_reqs)
+        else:
+            buckets = graphs.check_buckets(sizes, self.max_num_seqs, self._min_reqs)
+        plans = graphs.decode_plans(self.model.backend.capabilities, self.model.config.uses_dsa)
+        max_pages = max(math.ceil(self.max_model_len / self.page_size), 1)
+        cls = graphs.InductorDecodeGraphs if inductor_graphs else graphs.DecodeGraphs
+        return cls(decode_fn, self.caches, buckets, plans, max_pages, self.device, progress)
+
+    def _graph_method(self, seq_lens: list[int]):
+        """The forward method of a graph-captured decode step, chosen on the host (lesson 7)."""
+        if len(self.graphs.methods) == 1:
+            return self.graphs.methods[0]
+        dense = max(seq_lens) <= self.dsa_dense_max_kv_len
+        plan = BatchPlan(BatchKind.DECODE, 1, True, dsa_dense=dense)
+        return choose_forward_method(self.model.backend.capabilities, plan)
+
+    def _replay(self, plan: list) -> torch.Tensor:
+        """A one-token decode step through the CUDA graphs: logits [n, V]."""
+        ps = self.page_size
+        tokens, positions, slots, pages, seq_lens = [], [], [], [], []
+        for r, toks in plan:
+            pos = r.num_cached
+            tokens.append(toks[0])
+            positions.append(pos)
+            slots.append(r.pages[pos // ps] * ps + pos % ps)
+            pages.append(r.pages)
+            seq_lens.append(pos + 1)
+        return self.graphs.run(self._graph_method(seq_lens), tokens, positions, slots, pages, seq_lens)
+
     def _check_prompts(self, prompts) -> None:
         """Validates everything before any state changes, so a rejected call changes nothing."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -258,15 +328,24 @@ class Engine:
             need = math.ceil((r.num_cached + len(toks)) / self.page_size) - len(r.pages)
             if need > 0:
                 r.pages += self.allocator.allocate(need)
-        batch = build_batch(
-            self.model.backend.capabilities, [t for _, t in plan], [r.num_cached for r, _ in plan],
-            [r.pages for r, _ in plan], self.page_size, is_decode=[r.decoding for r, _ in plan],
-            dsa=self.model.config.uses_dsa, dsa_dense_max_kv_len=self.dsa_dense_max_kv_len,
-            all_logits=all_logits, min_reqs=self._min_reqs, device=self.device,
-        )
         t0 = time.perf_counter()
-        with torch.no_grad():
-            logits = self._step_fn(batch, self.caches)
+        graphed = (self.graphs is not None and not all_logits and len(plan) <= self.graphs.max_batch
+                   and all(r.decoding and len(t) == 1 for r, t in plan))
+        if graphed:
+            logits = self._replay(plan)
+        else:
+            batch = build_batch(
+                self.model.backend.capabilities, [t for _, t in plan], [r.num_cached for r, _ in plan],
+                [r.pages for r, _ in plan], self.page_size, is_decode=[r.decoding for r, _ in plan],
+                dsa=self.model.config.uses_dsa, dsa_dense_max_kv_len=self.dsa_dense_max_kv_len,
+                all_logits=all_logits, min_reqs=self._min_reqs, device=self.device,
+            )
+            step_fn = self._step_fn
+            if batch.plan.kind is BatchKind.DECODE and self._inductor_graphs:
+                step_fn = self._decode_fn  # compiled with a CUDA-graph mode: Inductor's graphs
+                torch.compiler.cudagraph_mark_step_begin()
+            with torch.no_grad():
+                logits = step_fn(batch, self.caches)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0

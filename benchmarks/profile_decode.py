@@ -1,0 +1,107 @@
+"""Where a decode step's time goes: the engine step, the graph replay alone, and per kernel.
+
+    python benchmarks/profile_decode.py --batch 32 --ctx 1024 [--layers 2] [--backend triton] [--out DIR]
+
+Builds the random DeepSeek-V3-shaped model (mlagraph.model.config.deepseek_v3_shaped, bf16),
+an Engine with compile + CUDA graphs for exactly this batch size, fills the latent cache with
+random values and makes ``batch`` requests with ``ctx`` cached tokens each, then reports:
+  - the engine's decode step (host metadata + copies + replay + sync), median of --iters;
+  - the replay alone (CUDA events around graph.replay());
+  - torch.profiler's kernel table for a few replays (top kernels by GPU time), when CUPTI works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+
+import torch
+
+from mlagraph.model import DeepseekForCausalLM, Engine
+from mlagraph.model.config import deepseek_v3_shaped
+from mlagraph.model.engine import _Request
+
+
+def fake_decode_requests(engine: Engine, batch: int, ctx: int, seed: int = 0) -> list[_Request]:
+    """``batch`` requests, each with ``ctx`` tokens already cached, about to decode one more."""
+    g = torch.Generator().manual_seed(seed)
+    reqs = []
+    for i in range(batch):
+        tok = int(torch.randint(engine.model.config.vocab_size, (1,), generator=g))
+        r = _Request(index=i, tokens=[tok] * (ctx + 1), prompt_len=ctx, max_new_tokens=1)
+        r.pages = engine.allocator.allocate(math.ceil((ctx + 1) / engine.page_size))
+        r.num_cached = ctx
+        reqs.append(r)
+    return reqs
+
+
+def time_steps(engine: Engine, reqs: list[_Request], iters: int) -> list[float]:
+    ctx = [r.num_cached for r in reqs]
+    times = []
+    for i in range(iters + 3):
+        t0 = time.perf_counter()
+        engine._step(reqs, all_logits=False)  # synchronizes at its end
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+        for r, c in zip(reqs, ctx):
+            r.num_cached = c
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--backend", default="triton")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    model = DeepseekForCausalLM.from_config(deepseek_v3_shaped(args.layers), backend=args.backend, device="cuda",
+                                            dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    engine = Engine(model, max_num_seqs=args.batch, max_model_len=args.ctx + 16, page_size=64, compile=True,
+                    cuda_graphs=True, cuda_graph_batch_sizes=[args.batch])
+    print(f"engine (compile + capture): {time.perf_counter() - t0:.1f}s", flush=True)
+    for c in engine.caches.latent:
+        c.normal_()
+    reqs = fake_decode_requests(engine, args.batch, args.ctx)
+    step = statistics.median(time_steps(engine, reqs, args.iters))
+
+    bucket = engine.graphs.bucket_for(args.batch)
+    captured = engine.graphs.graphs[(bucket, engine.graphs.methods[0])]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replays = []
+    for _ in range(args.iters):
+        start.record()
+        captured.graph.replay()
+        end.record()
+        end.synchronize()
+        replays.append(start.elapsed_time(end) / 1e3)
+    replay = statistics.median(replays)
+    print(f"B={args.batch} ctx={args.ctx}: engine step {step * 1e3:.3f} ms | replay alone {replay * 1e3:.3f} ms | "
+          f"host + copies {max(step - replay, 0) * 1e3:.3f} ms", flush=True)
+
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                captured.graph.replay()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90)
+        print(table)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"profile_B{args.batch}_L{args.ctx}.txt"), "w") as f:
+                f.write(table)
+    except Exception as e:  # CUPTI may be unavailable in a sandbox
+        print(f"torch.profiler: {type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    main()

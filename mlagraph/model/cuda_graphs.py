@@ -1,0 +1,279 @@
+"""CUDA-graph decode: the decode step captured once per batch-size bucket, replayed every step.
+
+Split the FlashInfer way into what is prepared once and what runs per step:
+
+- :class:`StaticDecodeInputs` owns the device buffers of a decode batch, sized for the largest
+  bucket, and one :class:`~mlagraph.model.batch.Batch` per (bucket, forward method) whose
+  tensors are views into them. ``fill`` writes one step's metadata into pinned host mirrors and
+  copies them to the device in two copies; padding rows (up to the bucket) get slot -1, no
+  pages and one fake key, exactly like the padding of :func:`~mlagraph.model.batch.build_batch`.
+- :class:`DecodeGraphs` captures ``step_fn(batch, caches)`` for each static batch into a
+  ``torch.cuda.CUDAGraph`` (largest bucket first, one memory pool shared by all), and per step
+  picks the bucket, fills the buffers and replays.
+
+A batch of n decoding requests (one new token each) runs in the smallest bucket >= n; the plan
+(dense or sparse for DSA models) is made on the host before the replay (DESIGN.md lesson 7), and
+every plan variant a decode step can take has its own graph. Larger batches, multi-token decode
+and any step with prompt tokens run without graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from .batch import Batch, BatchKind, BatchPlan, ForwardMethod, NoForwardMethod, choose_forward_method
+
+_BATCH_TENSORS = ("input_ids", "positions", "slot_mapping", "req_ids", "block_table", "seq_lens", "cu_seqlens_q",
+                  "cu_seqlens_k", "logits_indices")
+_ALIGN = 16  # elements: every field starts 64-byte aligned (Inductor copies misaligned inputs)
+
+
+def _round_up(n: int, m: int = _ALIGN) -> int:
+    return -(-n // m) * m
+
+
+def default_buckets(max_num_seqs: int, min_size: int = 1) -> list[int]:
+    """Powers of two from ``min_size`` up to ``max_num_seqs``, and ``max_num_seqs`` itself."""
+    sizes, b = {max_num_seqs}, 1
+    while b < max_num_seqs:
+        if b >= min_size:
+            sizes.add(b)
+        b *= 2
+    return sorted(sizes)
+
+
+def check_buckets(sizes, max_num_seqs: int, min_size: int) -> list[int]:
+    """Validates user bucket sizes; sizes below ``min_size`` run in the ``min_size`` bucket."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes:
+        raise ValueError(f"Engine: cuda_graph_batch_sizes: expected a non-empty list of ints, got {sizes!r}")
+    for s in sizes:
+        if not isinstance(s, int) or isinstance(s, bool) or not 1 <= s <= max_num_seqs:
+            raise ValueError(
+                f"Engine: cuda_graph_batch_sizes: expected ints in [1, max_num_seqs={max_num_seqs}], got {list(sizes)}"
+            )
+    return sorted({max(s, min_size) for s in sizes})
+
+
+def decode_plans(caps, dsa: bool) -> dict[ForwardMethod, BatchPlan]:
+    """Every forward method a one-token decode step can take on this backend, with the plan
+    its graphs carry: one, or for DSA models the dense one (every kv length fits index_topk)
+    and the sparse one. A DSA batch with short and long requests runs sparse in a graph
+    (exact for the short ones too) instead of the split method, whose sizes are not static."""
+    candidates = [BatchPlan(BatchKind.DECODE, 1, True, dsa_dense=True), BatchPlan(BatchKind.DECODE, 1, True)] \
+        if dsa else [BatchPlan(BatchKind.DECODE, 1, False)]
+    plans: dict[ForwardMethod, BatchPlan] = {}
+    for plan in candidates:
+        try:
+            plans.setdefault(choose_forward_method(caps, plan), plan)
+        except NoForwardMethod:
+            continue
+    return plans
+
+
+class StaticDecodeInputs:
+    """Device buffers of a one-token-per-request decode batch, for buckets up to ``max_bs``.
+
+    Device layout (each field 16-element aligned):
+        int64 [3, S]: input_ids | positions | slot_mapping              (S = max_bs rounded up)
+        int32: seq_lens [S] | cu_seqlens_k [S + 1, padded] | block_table [max_bs, max_pages]
+        constant: req_ids = arange [max_bs] int32, cu_seqlens_q = arange [max_bs + 1] int32,
+                  logits_indices = arange [max_bs] int64
+    The pinned host mirrors of the int64 and int32 buffers go to the device in one copy each.
+    """
+
+    def __init__(self, max_bs: int, max_pages: int, device: torch.device):
+        self.max_bs, self.max_pages, self.device = max_bs, max_pages, torch.device(device)
+        s = _round_up(max_bs)
+        self._s = s
+        self._cu_k_at = s
+        self._table_at = s + _round_up(max_bs + 1)
+        n32 = self._table_at + max_bs * max_pages
+        pin = self.device.type == "cuda"
+        self._host64 = torch.zeros(3, s, dtype=torch.int64, pin_memory=pin)
+        self._host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
+        self._np64, self._np32 = self._host64.numpy(), self._host32.numpy()
+        self._np_table = self._np32[self._table_at :].reshape(max_bs, max_pages)
+        self._rows: list[list[int]] = [[] for _ in range(max_bs)]  # pages now in each host table row
+        self._dev64 = torch.zeros_like(self._host64, device=self.device)
+        self._dev32 = torch.zeros_like(self._host32, device=self.device)
+        self.req_ids = torch.arange(max_bs, dtype=torch.int32, device=self.device)
+        self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
+        self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=self.device)
+        self._copied: torch.cuda.Event | None = None
+        self._np_table[:] = -1
+        self.fill([], [], [], [], [], bucket=max_bs)  # every row padding
+
+    def batch(self, bucket: int, method: ForwardMethod, plan: BatchPlan) -> Batch:
+        """The static batch of the first ``bucket`` rows: its tensors are views of the buffers."""
+        cu_k = self._dev32[self._cu_k_at : self._cu_k_at + bucket + 1]
+        table = self._dev32[self._table_at : self._table_at + self.max_bs * self.max_pages].view(self.max_bs, -1)
+        return Batch(
+            plan=plan,
+            method=method,
+            num_kv_tokens=0,  # read only by MHA over a prefix, which decode graphs never run
+            input_ids=self._dev64[0, :bucket],
+            positions=self._dev64[1, :bucket],
+            slot_mapping=self._dev64[2, :bucket],
+            req_ids=self.req_ids[:bucket],
+            block_table=table[:bucket],
+            seq_lens=self._dev32[:bucket],
+            cu_seqlens_q=self.cu_seqlens_q[: bucket + 1],
+            cu_seqlens_k=cu_k,
+            logits_indices=self.logits_indices[:bucket],
+        )
+
+    def fill(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+             pages: Sequence[Sequence[int]], seq_lens: Sequence[int], *, bucket: int) -> None:
+        """Writes one step (n real requests, rows n..bucket-1 padding) and copies it to the device.
+
+        tokens, positions, slots, seq_lens: per request (host ints); pages: each request's page
+        ids. Block-table rows are rewritten only where they changed (a request's row usually
+        only grows by a page now and then).
+        """
+        n = len(tokens)
+        if not n <= bucket <= self.max_bs:
+            raise ValueError(f"StaticDecodeInputs.fill: expected requests <= bucket <= {self.max_bs}, got {n}, {bucket}")
+        if self._copied is not None:  # the previous step's copy must have read the mirrors
+            self._copied.synchronize()
+        np64, np32 = self._np64, self._np32
+        np64[0, :n], np64[0, n:bucket] = tokens, 0
+        np64[1, :n], np64[1, n:bucket] = positions, 0
+        np64[2, :n], np64[2, n:bucket] = slots, -1
+        np32[:n], np32[n:bucket] = seq_lens, 1  # padding: one key on no page (never read)
+        cu = self._cu_k_at
+        np32[cu] = 0
+        np32[cu + 1 : cu + bucket + 1] = list(seq_lens) + [1] * (bucket - n)
+        np32[cu : cu + bucket + 1] = np32[cu : cu + bucket + 1].cumsum()
+        for i in range(bucket):
+            self._set_row(i, pages[i] if i < n else ())
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev32.copy_(self._host32, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _set_row(self, i: int, pages: Sequence[int]) -> None:
+        old, k, n = self._rows[i], len(pages), len(self._rows[i])
+        if k == n and (k == 0 or pages[-1] == old[-1]) and list(pages) == old:
+            return  # unchanged (the common case; the last-page test skips most comparisons)
+        if k > self.max_pages:
+            raise ValueError(f"StaticDecodeInputs.fill: pages[{i}]: expected <= {self.max_pages} pages, got {k}")
+        if k > n and list(pages[:n]) == old:  # the request grew: write only its new pages
+            self._np_table[i, n:k] = pages[n:]
+        else:
+            self._np_table[i, :k] = pages
+            if n > k:
+                self._np_table[i, k:n] = -1
+        self._rows[i] = list(pages)
+
+
+@dataclasses.dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    batch: Batch
+    logits: torch.Tensor  # [bucket, V]: the graph's output, rewritten by every replay
+
+
+class DecodeGraphs:
+    """The decode step captured in CUDA graphs, one per (bucket, forward method).
+
+    Args:
+        step_fn: ``step_fn(batch, caches) -> logits [B, V]`` (the model, or its compiled form).
+        caches: the engine's KVCaches (static: graphs bake in their addresses).
+        buckets: batch sizes to capture, ascending.
+        plans: forward method -> the BatchPlan its static batches carry (:func:`decode_plans`).
+        max_pages: block-table width (pages of the longest request).
+    """
+
+    def __init__(self, step_fn, caches, buckets: Sequence[int], plans: dict[ForwardMethod, BatchPlan],
+                 max_pages: int, device, progress: bool | None = None):
+        self.buckets, self.methods = list(buckets), list(plans)
+        self.inputs = StaticDecodeInputs(self.buckets[-1], max_pages, device)
+        self.graphs: dict[tuple[int, ForwardMethod], _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self._capture(step_fn, caches, plans, progress)
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _capture(self, step_fn, caches, plans, progress) -> None:
+        from tqdm.auto import tqdm
+
+        todo = [(b, m) for m in plans for b in reversed(self.buckets)]  # largest first: the pool
+        device = self.inputs.device                                        # serves the smaller ones
+        disable = None if progress is None else not progress  # None: a bar only on a terminal
+        for b, m in tqdm(todo, desc="capturing decode CUDA graphs", disable=disable):
+            batch = self.inputs.batch(b, m, plans[m])
+            # Warm up outside the graph (compiles the step, initialises cuBLAS and Triton), on a
+            # side stream as capture requires; the buffers hold padding only: nothing is written.
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side), torch.no_grad():
+                for _ in range(2):
+                    step_fn(batch, caches)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+                logits = step_fn(batch, caches)
+            self.graphs[(b, m)] = _Captured(graph, batch, logits)
+
+    def run(self, method: ForwardMethod, tokens, positions, slots, pages, seq_lens) -> torch.Tensor:
+        """One decode step of n <= max_batch requests -> logits [n, V] (a view of the graph's
+        output: read it before the next step)."""
+        n = len(tokens)
+        bucket = self.bucket_for(n)
+        captured = self.graphs[(bucket, method)]
+        self.inputs.fill(tokens, positions, slots, pages, seq_lens, bucket=bucket)
+        captured.graph.replay()
+        return captured.logits[:n]
+
+
+class InductorDecodeGraphs:
+    """Decode graphs captured by Inductor's CUDA-graph trees (``mode="reduce-overhead"``).
+
+    The engine keeps the bucketing and the static buffers: every bucket's inputs (and the
+    caches) are marked static, so the trees record one graph per (bucket, method) here, at
+    construction, and replay it without copying inputs. ``decode_fn`` is the step compiled with
+    that mode; prefill runs through a separately compiled function without graphs.
+    """
+
+    def __init__(self, decode_fn, caches, buckets: Sequence[int], plans: dict[ForwardMethod, BatchPlan],
+                 max_pages: int, device, progress: bool | None = None):
+        from tqdm.auto import tqdm
+
+        self.buckets, self.methods = list(buckets), list(plans)
+        self.inputs = StaticDecodeInputs(self.buckets[-1], max_pages, device)
+        self._fn, self._caches = decode_fn, caches
+        for t in [*caches.latent, *(caches.index or ()), *([caches.scale] if caches.scale is not None else [])]:
+            torch._dynamo.mark_static_address(t, guard=False)
+        self.batches: dict[tuple[int, ForwardMethod], Batch] = {}
+        todo = [(b, m) for m in plans for b in reversed(self.buckets)]
+        disable = None if progress is None else not progress
+        for b, m in tqdm(todo, desc="recording decode CUDA graphs (Inductor)", disable=disable):
+            batch = self.inputs.batch(b, m, plans[m])
+            for name in _BATCH_TENSORS:
+                torch._dynamo.mark_static_address(getattr(batch, name), guard=False)
+            self.batches[(b, m)] = batch
+            for _ in range(3):  # warm-up run, recording run, first replay
+                self._call(batch)
+
+    max_batch = DecodeGraphs.max_batch
+    bucket_for = DecodeGraphs.bucket_for
+
+    def _call(self, batch: Batch) -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+        with torch.no_grad():
+            return self._fn(batch, self._caches)
+
+    def run(self, method: ForwardMethod, tokens, positions, slots, pages, seq_lens) -> torch.Tensor:
+        n = len(tokens)
+        bucket = self.bucket_for(n)
+        self.inputs.fill(tokens, positions, slots, pages, seq_lens, bucket=bucket)
+        return self._call(self.batches[(bucket, method)])[:n]
