@@ -478,6 +478,7 @@ class PagedIndexerPlan:
     split_kv: int
     cu_starts: torch.Tensor  # [T] zeros: the logits column IS the position
     cu_ends: torch.Tensor  # [T] int32, positions + 1
+    beyond: torch.Tensor  # [T, max_model_len] bool: column >= context_lens[t] (set to -inf after the kernel)
 
 
 def _quantize_q(q, weights):
@@ -557,7 +558,9 @@ def prepare_indexer_paged(q, weights, k_cache, req_ids, positions, block_table, 
     lists the flat slot of each position 0..max_len-1 of the token's request (page size 1 view;
     positions on page -1 read slot 0: aiter scores that key, mlagraph's op never picks it).
     q is quantized as in :func:`prepare_indexer`. chunk_k (keys per step) and split_kv
-    (programs per row) are the kernel's knobs (aiter's defaults 64 and 5).
+    (programs per row) are the kernel's knobs (aiter's defaults 64 and 5). ``beyond`` marks
+    each row's columns >= context_len, which :func:`indexer_logits` sets to -inf after the
+    kernel (built here once, like the rest of the metadata).
     """
     _check_indexer_layout(layout)
     dev = q.device
@@ -572,6 +575,7 @@ def prepare_indexer_paged(q, weights, k_cache, req_ids, positions, block_table, 
     # The kernel multiplies a loaded index by the row stride in the index's dtype.
     idx_dtype = torch.int32 if rows.shape[0] * rows.shape[1] < 2**31 else torch.int64
     ends = (pos + 1).to(torch.int32).to(dev)
+    width = -(-(max_len + 1) // chunk_k) * chunk_k
     return PagedIndexerPlan(
         q_fp8=q_fp8[:, None],
         weights=w,
@@ -579,11 +583,12 @@ def prepare_indexer_paged(q, weights, k_cache, req_ids, positions, block_table, 
         kv_scales=rows[:, head_dim:].view(torch.float32),
         context_lens=ends,
         kv_indices=idx.to(device=dev, dtype=idx_dtype).contiguous(),
-        max_model_len=-(-(max_len + 1) // chunk_k) * chunk_k,
+        max_model_len=width,
         chunk_k=chunk_k,
         split_kv=split_kv,
         cu_starts=torch.zeros_like(ends),
         cu_ends=ends,
+        beyond=torch.arange(width, device=dev)[None, :] >= ends[:, None],
     )
 
 
@@ -612,12 +617,18 @@ def indexer_logits(plan) -> torch.Tensor:
     not importable or usable off ROCm; the kernel module is). Grid T * next_n * split_kv, all
     heads in one program (ChunkQ = Hi), ChunkK keys per step; q [B, next_n, Hi, D] fp8, keys
     gathered through kv_indices [B, max_blk_len] (page size 1), weights [B * next_n, Hi],
-    out [B * next_n, max_model_len] f32 which the CALLER must fill with -inf: the kernel
-    stores whole ChunkK tiles unmasked up to context_len rounded up to ChunkK, and leaves the
-    rest. Its causal mask is ``column <= context_len - pid_next_n``: column context_len (one past
+    out [B * next_n, max_model_len] f32 which the CALLER must fill with -inf. Program
+    (row, split) covers chunks [split * c, (split + 1) * c) of the row, c = cdiv(cdiv(context_len,
+    ChunkK), SplitKV), its loop bounded by context_len (not by max_blk_len), so together the
+    splits store every column < context_len; each step stores a whole ChunkK tile unmasked, so
+    columns up to context_len rounded up to ChunkK are written too, and the rest is left as it
+    was. Its causal mask is ``column <= context_len - pid_next_n``: column context_len (one past
     the last key) gets 0 instead of -inf whenever context_len % ChunkK != 0 (and for next_n > 1
-    the per-query windows look reversed). This wrapper sets that column back to -inf (one small
-    scatter, part of the timed call), so the result is exact.
+    the per-query windows look reversed). Rather than rely on which tile columns past
+    context_len each split stores and how the mask treats them, this wrapper sets EVERY column
+    >= context_len of each row to -inf after the kernel (one masked_fill on the plan's
+    precomputed ``beyond`` mask, part of the timed call), so the result is exact by contract:
+    the kernel's values for columns < context_len, -inf for the others.
     """
     if isinstance(plan, PagedIndexerPlan):
         return _paged_logits(plan)
@@ -655,9 +666,9 @@ def _paged_logits(plan: PagedIndexerPlan) -> torch.Tensor:
         plan.kv_indices, plan.weights, plan.weights.stride(0), logits, logits.stride(0), plan.max_model_len,
         plan.kv_indices.shape[1], ChunkQ=heads, ChunkK=plan.chunk_k, HiddenDim=head_dim, SplitKV=plan.split_kv,
     )
-    # aiter's off-by-one: column context_len holds 0 (see indexer_logits); it is not a key.
-    logits.scatter_(1, plan.context_lens[:, None].long(), float("-inf"))
-    return logits
+    # Columns >= context_len are not keys, whatever the kernel's tile stores left there (its
+    # off-by-one puts 0 in column context_len; see indexer_logits).
+    return logits.masked_fill_(plan.beyond, float("-inf"))
 
 
 def indexer_topk(plan, topk: int, aiter_topk: bool = True) -> torch.Tensor:
@@ -674,11 +685,23 @@ def indexer_topk(plan, topk: int, aiter_topk: bool = True) -> torch.Tensor:
     lanes and picked entries with float32's lowest finite value, which sorts ABOVE -inf: when a
     row has fewer than k finite values, the extra picks have that value and a duplicate or
     out-of-range index. Those picks become -1 here (a real logit is never that low).
+
+    The two-stage kernel is wrong on -inf input: a chunk whose values are all -inf hands one
+    -inf to stage 2, whose bitonic compare-and-swap takes each pair apart by multiplying with
+    0/1 masks (-inf * 0 = NaN) and swaps by xor-ing the bits of those sums, so values turn
+    into garbage and indices part from their values (in the interpreter a row with 18 finite
+    values and k = 8 comes back with 7; the garbage differs on the GPU, whose NaN bits differ).
+    A row whose visible window ends a whole chunk before the row's end has such a chunk
+    (chunks: 256 columns for rows < 1024, else 1024, or k rounded up to a power of two when
+    larger: 2048 for the DSA's k = 2048). So -inf is clamped to that lowest finite value first (its own
+    fill value, which sorts the same and stays finite; one elementwise pass, counted in the
+    time): exact again.
     """
     logits = indexer_logits(plan)
     if aiter_topk:
         tk = _load("topk")
-        values, idx = tk.topk(logits, topk, tiny_row_thresh=0 if topk > 1024 else tk.MAX_TINY_ROW)
+        finite = logits.clamp_min(torch.finfo(torch.float32).min)
+        values, idx = tk.topk(finite, topk, tiny_row_thresh=0 if topk > 1024 else tk.MAX_TINY_ROW)
     else:  # -inf columns pad rows shorter than topk, as mlagraph's reference does
         values, idx = torch.cat([logits, logits.new_full((logits.shape[0], topk), float("-inf"))], 1).topk(topk)
     pos = idx - plan.cu_starts[:, None].long()
@@ -686,8 +709,14 @@ def indexer_topk(plan, topk: int, aiter_topk: bool = True) -> torch.Tensor:
     return torch.where(valid, pos, -1).to(torch.int32)
 
 
+def _first(values: torch.Tensor, bad: torch.Tensor, offset: int = 0, n: int = 4) -> str:
+    """'columns [c, ...] hold [v, ...]': the first n columns where ``bad`` is set (1-D, CPU)."""
+    cols = bad.nonzero()[:n, 0]
+    return f"columns {(cols + offset).tolist()} hold {[f'{v:.3g}' for v in values[cols].tolist()]}"
+
+
 def check_indexer_logits(q, weights, k_cache, req_ids, positions, block_table, topk=None, paged=False,
-                         aiter_topk=True) -> float:
+                         aiter_topk=True, *, why: list | None = None) -> float:
     """Max error of aiter's indexer against mlagraph's (layout "fp8", float32 on CPU).
 
     ``paged``: the paged decode kernel (:func:`prepare_indexer_paged`) instead of
@@ -699,25 +728,47 @@ def check_indexer_logits(q, weights, k_cache, req_ids, positions, block_table, t
     ties and fp8-rounding swaps of near-equal keys count only by their score difference), and
     the number of picks per token. Expect ~1e-2 from the fp8 q. Block tables must have no
     page -1 below a token's position (aiter scores such keys).
+
+    Returns inf when, for some token, a logit outside its visible window is not -inf, a
+    visible logit is not finite, or (with ``topk``) aiter picks another number of keys than
+    the reference or a key twice. ``why``: a list that gets one line per such token (stage,
+    token, request, position, the condition, the first offending columns and their values);
+    the top-k stage is skipped when the logits already failed.
     """
+    def say(line: str) -> None:
+        if why is not None:
+            why.append(line)
+
     prepare = prepare_indexer_paged if paged else prepare_indexer
     plan = prepare(q, weights, k_cache, req_ids, positions, block_table)
     logits = indexer_logits(plan).cpu()
     qc, wc, kc = q.float().cpu(), weights.float().cpu(), k_cache.cpu()
     req, pos, table = req_ids.cpu().long(), positions.cpu().long(), block_table.cpu().long()
     rows = kc.reshape(-1, kc.shape[-1])
-    ref_scores, err = [], 0.0
+    ref_scores, err, failed = [], 0.0, False
     for t in range(qc.shape[0]):
         slots, _ = _request_slots(table[req[t]], int(pos[t]) + 1, kc.shape[1])
         keys = layouts.dequantize_index_keys("fp8", rows[slots], torch.float32)
         ref = (torch.relu(qc[t] @ keys.T) * wc[t][:, None]).sum(0)  # [pos + 1]
         ref_scores.append(ref)
         start, row = int(plan.cu_starts[t]), logits[t]
-        got = row[start:start + len(ref)]
-        outside = torch.cat([row[:start], row[start + len(ref):]])
-        if not torch.isneginf(outside).all() or torch.isinf(got).any():
-            return float("inf")
+        end = start + len(ref)
+        got = row[start:end]
+        outside = ~torch.isneginf(row)
+        outside[start:end] = False
+        inside = ~torch.isfinite(got)
+        what = (f"logits, token {t} (request {int(req[t])}, position {int(pos[t])}, window [{start}, {end}) of "
+                f"{row.numel()} columns)")
+        if outside.any():
+            say(f"{what}: {int(outside.sum())} column(s) outside the window not -inf: {_first(row, outside)}")
+        if inside.any():
+            say(f"{what}: {int(inside.sum())} visible column(s) not finite: {_first(got, inside, start)}")
+        if outside.any() or inside.any():
+            failed = True
+            continue
         err = max(err, _rel_err(got, ref))
+    if failed:
+        return float("inf")
     if topk is None:
         return err
     picked = indexer_topk(plan, topk, aiter_topk).cpu()
@@ -725,12 +776,19 @@ def check_indexer_logits(q, weights, k_cache, req_ids, positions, block_table, t
                                            topk)
     for t, ref in enumerate(ref_scores):
         a, b = picked[t][picked[t] >= 0].long(), want[t][want[t] >= 0].long()
-        if len(a) != len(b) or len(set(a.tolist())) != len(a):
-            return float("inf")
-        if len(a):  # scaled like the logits: by the token's largest |score|
+        what = f"top-k {topk}, token {t} (request {int(req[t])}, position {int(pos[t])}, {len(ref)} visible keys)"
+        if len(a) != len(b):
+            say(f"{what}: aiter picks {len(a)} keys, the reference {len(b)}")
+            failed = True
+        elif a.unique().numel() != len(a):
+            values, counts = a.unique(return_counts=True)
+            say(f"{what}: {len(a) - len(values)} of aiter's picks repeat a key, first repeated positions "
+                f"{values[counts > 1][:4].tolist()}")
+            failed = True
+        elif len(a):  # scaled like the logits: by the token's largest |score|
             diff = (ref[a].sort().values - ref[b].sort().values).abs().max()
             err = max(err, float(diff / ref.abs().max().clamp_min(1e-30)))
-    return err
+    return float("inf") if failed else err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Every MLA kernel of the triton backend, checked and timed next to its peers in one run.
+"""Every MLA kernel of our triton and aiter backends, checked and timed next to peers in one run.
 
     python benchmarks/kernels.py --out DIR [--only decode,fused,...] [--no-compile]
 
@@ -9,15 +9,21 @@ over CUDA-graph replays for the launch-bound steps (rotating several input sets 
 cannot flatter them). Variants:
 
 - ``triton``: our kernel (torch.ops.mlagraph_triton.*); ``triton:<cfg>`` a config variant;
+- ``aiter-backend``: our ``aiter`` backend's op (torch.ops.mlagraph_aiter.*: aiter's kernel behind
+  our op contract, called with the arguments the model passes it; fused write and bf16 decode
+  only); ``aiter-backend:<cfg>`` a decode config variant. A row with a note when amd-aiter is
+  not installed;
 - ``eager`` / ``inductor``: the reference op's plain PyTorch, eager and under torch.compile;
-- ``aiter``: AMD aiter's Triton kernel (the amd-aiter wheel; see benchmarks/aiter_peers.py);
+- ``aiter``: AMD aiter's Triton kernel as a peer, fed directly (the amd-aiter wheel; see
+  benchmarks/aiter_peers.py);
 - ``sdpa-cudnn`` / ``sdpa-flash`` / ``sdpa-efficient``: torch SDPA backends (dense prefill).
 
-Each row gives the time, the rate (TFLOP/s or TB/s, whichever bounds the workload), the ratio
-to the best peer (>1: ours is faster) and the % of the floor from ../shared/ANCHORS.md (690
-TFLOP/s bf16 GEMM, 4.25 TB/s copy, measured on the H200). The table is printed last; the rows
-go to DIR/kernels.json and a plot to DIR/kernels.png (when matplotlib is installed; otherwise
-``python benchmarks/plot_kernels.py DIR/kernels.json`` draws it anywhere).
+Each row gives the time, the rate (TFLOP/s or TB/s, whichever bounds the workload), for our
+rows (``triton*`` and ``aiter-backend*``) the ratio to the best peer (>1: ours is faster), and
+the % of the floor from ../shared/ANCHORS.md (690 TFLOP/s bf16 GEMM, 4.25 TB/s copy, measured
+on the H200). The table is printed last; the rows go to DIR/kernels.json and a plot to
+DIR/kernels.png (when matplotlib is installed; otherwise ``python benchmarks/plot_kernels.py
+DIR/kernels.json`` draws it anywhere).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import aiter_peers  # noqa: E402  (aiter's Triton kernels behind our op signatures)
+from mlagraph.ops import aiter as aiter_backend  # noqa: E402  (registers torch.ops.mlagraph_aiter)
 from mlagraph.ops import layouts  # noqa: E402
 
 PEAK_FLOPS = 690e12  # bf16 GEMM 8192^3 on this H200 (ANCHORS.md)
@@ -43,7 +50,10 @@ PEAK_BYTES = 4.25e12  # device-to-device copy (ANCHORS.md)
 L, R, NOPE, V = 512, 64, 128, 128
 SM_SCALE = 0.1352
 OURS = torch.ops.mlagraph_triton
+AITER = torch.ops.mlagraph_aiter  # our aiter backend's own ops (the rest of it falls back to OURS)
 REF = torch.ops.mlagraph
+AITER_OK, AITER_WHY = aiter_backend.available()
+OUR_VARIANTS = ("triton", "aiter-backend")  # row variants that are our ops; every other is a peer
 
 
 @dataclasses.dataclass
@@ -137,6 +147,11 @@ class Runner:
             fn, kw["graph_fns"] = fn
         self.run(variant, fn, check, **kw)
 
+    def skip(self, variant: str, note: str) -> None:
+        """A row that is not run, with the reason."""
+        self.rows.append(Row(self.workload, variant, flops=self.flops, bytes=self.bytes, note=note))
+        print(f"  {variant}: {note}", flush=True)
+
     def run(self, variant: str, fn, check, *, graph_fns=None, note: str = "") -> None:
         row = Row(self.workload, variant, flops=self.flops, bytes=self.bytes, note=note)
         self.rows.append(row)
@@ -163,10 +178,18 @@ def kernels(module: str):
     return importlib.import_module(f"mlagraph.ops.triton.{module}")
 
 
-def sweep(run, fn, check, configs) -> None:
-    """Config variants of our kernel: ``triton:<key=value,...>`` rows."""
+def sweep(run, fn, check, configs, prefix: str = "triton") -> None:
+    """Config variants of our kernel: ``<prefix>:<key=value,...>`` rows."""
     for cfg in configs:
-        run.run("triton:" + ",".join(f"{k}={v}" for k, v in cfg.items()), lambda cfg=cfg: fn(config=cfg), check)
+        run.run(f"{prefix}:" + ",".join(f"{k}={v}" for k, v in cfg.items()), lambda cfg=cfg: fn(config=cfg), check)
+
+
+def run_aiter_backend(run, fn, check, **kw) -> None:
+    """The ``aiter-backend`` row: our aiter backend's op, or a row saying why it cannot run here."""
+    if AITER_OK:
+        run.run("aiter-backend", fn, check, **kw)
+    else:
+        run.skip("aiter-backend", f"skipped: {AITER_WHY}")
 
 
 def inductor(fn):
@@ -232,8 +255,38 @@ def bench_decode(rows, args, g):
             ref_c = inductor(reference_body("decode", "mla_decode"))
             run.run("inductor", lambda: ref_c(*args_), check)
         if layout == "bf16":
+            configs = AITER_DECODE_SWEEP[h] if args.sweep else []
+            aiter_decode_rows(run, q_nope, q_pe, cache, table, lens, check, configs)
             run.peer("aiter", lambda: aiter_peers.decode_runner(q_nope, q_pe, cache, table, lens, SM_SCALE), check)
 
+
+def aiter_decode_rows(run, q_nope, q_pe, cache, table, lens, check, configs=()) -> None:
+    """``aiter-backend`` (and ``aiter-backend:<cfg>`` for each DecodeConfig field dict in
+    ``configs``) rows of ``mla_decode``, layout "bf16", s_q = 1.
+
+    The model hands this backend q concatenated (decode_q_split=False): the fused op's q
+    [B, H, L + R], passed as the adjacent views q[..., :L] / q[..., L:], which the op reads in
+    place. That q is built once here, outside the timing; the op builds aiter's metadata on the
+    device in every call (part of its time). ``check(out)``: the workload's check of the op's
+    (out, lse) against the reference, as for the other rows.
+    """
+    lat = q_nope.shape[-1]
+    q = torch.cat([q_nope, q_pe], dim=-1)  # [B, 1, H, L + R]
+    a = (q[..., :lat], q[..., lat:], cache, table, lens, None, "bf16", SM_SCALE)
+    run_aiter_backend(run, lambda: AITER.mla_decode(*a), check)
+    if AITER_OK and configs:  # kernels.mla_decode's config= override (the op has none)
+        from mlagraph.ops.aiter import kernels as aiter_kernels
+
+        sweep(run, lambda config: aiter_kernels.mla_decode(*a, config=aiter_kernels.DecodeConfig(**config)), check,
+              configs, prefix="aiter-backend")
+
+
+# Fields of mlagraph.ops.aiter.kernels.DecodeConfig, per head count; the default splits come
+# from shapes (default_decode_config: 1 for H=128 B=128, 3 for H=16 B=128, 5 for H=16 B=64).
+AITER_DECODE_SWEEP = {
+    128: [{"num_kv_splits": 2}, {"num_kv_splits": 4}, {"block_n": 64}, {"block_n": 16}, {"num_warps": 8}],
+    16: [{"num_kv_splits": 1}, {"num_kv_splits": 8}, {"block_n": 64}, {"block_n": 16}, {"num_stages": 2}],
+}
 
 DECODE_SWEEP = {
     (128, "bf16"): [{"BLOCK_N": 32}, {"BLOCK_N": 64, "num_stages": 1}, {"BLOCK_N": 128, "num_stages": 1},
@@ -287,6 +340,7 @@ def bench_fused(rows, args, g):
             for cfg in ({"block_h": 4}, {"block_h": 16}, {"block_h": 8, "num_warps": 8}, {"block_h": 8, "num_warps": 2}):
                 f, fs = op(lambda cfg=cfg, **kw: mod(**kw, config={**mod_cfg(b, h), **cfg}))
                 run.run("triton:" + ",".join(f"{k}={v}" for k, v in cfg.items()), f, check, graph_fns=fs)
+        aiter_fused_row(run, sets, want_q, want_cache)
         f, fs = op(REF.fused_rope_concat_cache_write)
         run.run("eager", f, check, graph_fns=fs)
         if args.compile:
@@ -294,13 +348,38 @@ def bench_fused(rows, args, g):
             f, fs = op(body)
             run.run("inductor", f, check, graph_fns=fs)
         run.peer("aiter", lambda: aiter_peers.fused_runner(sets), check_fused_aiter(check))
-        # What the decode graph runs after concat elimination: q_nope stays where it is.
+        # What the decode graph runs after concat elimination: q_nope stays where it is. (The
+        # aiter backend has no such graph: its decode reads the fused op's concatenated q.)
         split = [{**s, "q_nope": s["q_nope"][..., :0]} for s in sets]
         nb = 2 * (2 * b * h * R + b * L + 2 * b * R + b * (L + R))
         run2 = Runner(rows, name + " (no concat)", 0.0, nb, tol=1e-2)
         run2.run("triton", lambda: OURS.fused_rope_concat_cache_write(**split[0]),
                  lambda out: rel_err(out[0], want_q[..., L:]),
                  graph_fns=[lambda s=s: OURS.fused_rope_concat_cache_write(**s) for s in split])
+
+
+def aiter_fused_row(run, sets, want_q, want_cache) -> None:
+    """The ``aiter-backend`` row of the fused RoPE + concat + cache write, as CUDA-graph
+    replays over ``sets`` (dicts of the op's arguments, exactly as the model passes them).
+
+    Its K output is an EMPTY [0] tensor (fused_returns_k=False: aiter writes the cache and
+    hands no K on), so the check compares q and the cache rows of sets[0]'s slots only, against
+    the reference's ``want_q`` [T, H, L + R] and ``want_cache`` (the reference's copy of
+    sets[0]'s cache after its write), and raises if K is not that empty tensor.
+    """
+    s0 = sets[0]
+    slots = s0["slot_mapping"][s0["slot_mapping"] >= 0]
+
+    def check(out):
+        if tuple(out[1].shape) != tuple(aiter_backend.EMPTY_K_SHAPE):
+            raise ValueError(f"aiter-backend fused op: K: expected the empty {list(aiter_backend.EMPTY_K_SHAPE)} "
+                             f"of fused_returns_k=False, got shape {list(out[1].shape)}")
+        width = s0["kv_cache"].shape[-1]
+        got, want = s0["kv_cache"].view(-1, width)[slots], want_cache.view(-1, width)[slots]
+        return max(rel_err(out[0], want_q), rel_err(got, want))
+
+    fn = AITER.fused_rope_concat_cache_write
+    run_aiter_backend(run, lambda: fn(**s0), check, graph_fns=[lambda s=s: fn(**s) for s in sets])
 
 
 def mod_cfg(b, h):
@@ -513,7 +592,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="folder for kernels.json and kernels.png")
     p.add_argument("--only", default="", help="comma-separated workloads: " + ",".join(WORKLOADS))
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile peers")
-    p.add_argument("--sweep", action="store_true", help="also time config variants of our kernels")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time config variants of our kernels (triton's, and the aiter backend's decode)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py times GPU kernels: no CUDA device here")
@@ -549,7 +629,7 @@ def save(rows: list[Row], out: str | None) -> str | None:
 def report(rows: list[Row], out: str | None) -> None:
     best_peer: dict[str, float] = {}
     for r in rows:
-        if r.time_us is not None and not r.variant.startswith("triton"):
+        if r.time_us is not None and not r.variant.startswith(OUR_VARIANTS):
             best_peer[r.workload] = min(best_peer.get(r.workload, math.inf), r.time_us)
     dev = torch.cuda.get_device_name()
     print(f"\n{dev}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
@@ -557,7 +637,7 @@ def report(rows: list[Row], out: str | None) -> None:
     for r in rows:
         t = f"{r.time_us:.1f}" if r.time_us is not None else "-"
         ratio = ""
-        if r.time_us and r.variant.startswith("triton") and r.workload in best_peer:
+        if r.time_us and r.variant.startswith(OUR_VARIANTS) and r.workload in best_peer:
             ratio = f"{best_peer[r.workload] / r.time_us:.2f}x"
         pct = f"{100 * r.floor_us / r.time_us:.0f}%" if r.time_us else ""
         print(f"{r.workload:<44} {r.variant:<16} {t:>9} {r.rate():>14} {ratio:>12} {pct:>8} {r.note}")

@@ -308,6 +308,68 @@ def test_paged_logits_off_by_one(interpreter):
     assert torch.isneginf(peers.indexer_logits(plan)[0, 10:]).all()
 
 
+@needs_aiter
+def test_aiter_topk_minus_inf_chunk(interpreter):
+    """Pins the aiter quirk indexer_topk undoes: aiter's two-stage top-k (rows > 1024) loses
+    picks when a whole chunk of the row is -inf (its bitonic merge multiplies -inf by 0)."""
+    tk = aiter_loader.load("topk")
+    lowest = torch.finfo(torch.float32).min
+    x = torch.full((1, 2112), float("-inf"))
+    x[0, :18] = torch.arange(18.0)  # chunk 1 (columns 1024..2047) is all -inf
+    values, idx = tk.topk(x, 8)
+    assert (values > lowest).sum() == 7  # interpreter: the 8th largest (column 10) is lost
+    values, idx = tk.topk(x.clamp_min(lowest), 8)
+    assert idx[0].tolist() == list(range(17, 9, -1))
+
+    # Through the paged wrapper: token 1 sees 18 keys of a 2101-key request (logits 2112 wide).
+    g = torch.Generator().manual_seed(17)
+    q, w, k_cache, req_ids, positions, table = _indexer_inputs(
+        g, [2101], [2100, 17], [0, 0], heads=16, head_dim=32, page_size=16, pages=132)
+    why = []
+    err = peers.check_indexer_logits(q, w, k_cache, req_ids, positions, table, 8, True, why=why)
+    assert err < 5e-2, f"error {err}: " + "; ".join(why)
+
+
+@needs_aiter
+def test_indexer_check_says_why(interpreter, monkeypatch):
+    """A failed indexer check returns inf and says which token, which condition, which columns."""
+    g = torch.Generator().manual_seed(16)
+    q, w, k_cache, req_ids, positions, table = _indexer_inputs(
+        g, [40], [9, 30], [0, 0], heads=16, head_dim=32, page_size=16, pages=4)
+    assert peers.check_indexer_logits(q, w, k_cache, req_ids, positions, table, 8, True) < 5e-2
+    real_logits, real_topk = peers.indexer_logits, peers.indexer_topk
+
+    def bad_logits(plan):
+        out = real_logits(plan).clone()
+        out[0, 10] = 0.0  # one past token 0's window [0, 10)
+        out[1, 3] = float("nan")  # visible for token 1
+        return out
+
+    monkeypatch.setattr(peers, "indexer_logits", bad_logits)
+    why = []
+    assert peers.check_indexer_logits(q, w, k_cache, req_ids, positions, table, 8, True, why=why) == float("inf")
+    assert len(why) == 2, why
+    assert why[0].startswith("logits, token 0 (request 0, position 9, window [0, 10) of ")
+    assert why[0].endswith(": 1 column(s) outside the window not -inf: columns [10] hold ['0']")
+    assert why[1].startswith("logits, token 1 (request 0, position 30, window [0, 31) of ")
+    assert why[1].endswith(": 1 visible column(s) not finite: columns [3] hold ['nan']")
+
+    def bad_topk(plan, topk, aiter_topk=True):
+        out = real_topk(plan, topk, aiter_topk).clone()
+        out[0, 1] = out[0, 0]  # a key picked twice
+        out[1, -1] = -1  # one pick short
+        return out
+
+    monkeypatch.setattr(peers, "indexer_logits", real_logits)
+    monkeypatch.setattr(peers, "indexer_topk", bad_topk)
+    why = []
+    assert peers.check_indexer_logits(q, w, k_cache, req_ids, positions, table, 8, True, why=why) == float("inf")
+    assert len(why) == 2, why
+    assert why[0].startswith("top-k 8, token 0 (request 0, position 9, 10 visible keys): 1 of aiter's picks repeat "
+                             "a key, first repeated positions [")
+    assert why[1] == "top-k 8, token 1 (request 0, position 30, 31 visible keys): aiter picks 7 keys, the reference 8"
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU (H200): bf16 at DeepSeek sizes
 
@@ -366,4 +428,8 @@ def test_indexer_gpu():
     # The paged kernel (pa_mqa_logits) is the one the benchmark times. The packed fp8_mqa_logits
     # path gave non-finite values where ours are finite on the H200 (2026-11-29; it matches
     # in the CPU interpreter, test_indexer_cpu above): an aiter peer, not verified on CUDA.
-    assert peers.check_indexer_logits(q, w, k_cache, req_ids, pos, table, 2048, True) < 5e-2
+    # Tokens 1, 2, 3 and 5 see <= 2048 of the 4160 logit columns: a whole 2048-column chunk of
+    # -inf, which aiter's two-stage top-k mishandles unless indexer_topk clamps it first.
+    why = []
+    err = peers.check_indexer_logits(q, w, k_cache, req_ids, pos, table, 2048, True, why=why)
+    assert err < 5e-2, f"error {err}: " + ("; ".join(why) or "finite, above the tolerance")
