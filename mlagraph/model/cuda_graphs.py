@@ -81,7 +81,7 @@ class StaticDecodeInputs:
         int32: seq_lens [S] | cu_seqlens_k [S + 1, padded] | block_table [max_bs, max_pages]
         constant: req_ids = arange [max_bs] int32, cu_seqlens_q = arange [max_bs + 1] int32,
                   logits_indices = arange [max_bs] int64
-    The pinned host mirrors of the int64 and int32 buffers go to the device in one copy each.
+    Both live in one byte buffer, filled through a pinned host mirror and copied in one copy.
     """
 
     def __init__(self, max_bs: int, max_pages: int, device: torch.device):
@@ -91,20 +91,25 @@ class StaticDecodeInputs:
         self._cu_k_at = s
         self._table_at = s + _round_up(max_bs + 1)
         n32 = self._table_at + max_bs * max_pages
-        pin = self.device.type == "cuda"
-        self._host64 = torch.zeros(3, s, dtype=torch.int64, pin_memory=pin)
-        self._host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
+        # One pinned host buffer and one device buffer, int64 fields then int32 ones: a step is
+        # one copy (driver calls are the expensive part of a small step's host work).
+        nbytes = 3 * s * 8 + n32 * 4
+        self._host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self._host64, self._host32 = self._split(self._host, s)
+        self._dev64, self._dev32 = self._split(self._dev, s)
         self._np64, self._np32 = self._host64.numpy(), self._host32.numpy()
         self._np_table = self._np32[self._table_at :].reshape(max_bs, max_pages)
         self._rows: list[list[int]] = [[] for _ in range(max_bs)]  # pages now in each host table row
-        self._dev64 = torch.zeros_like(self._host64, device=self.device)
-        self._dev32 = torch.zeros_like(self._host32, device=self.device)
         self.req_ids = torch.arange(max_bs, dtype=torch.int32, device=self.device)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
         self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=self.device)
-        self._copied: torch.cuda.Event | None = None
         self._np_table[:] = -1
         self.fill([], [], [], [], [], bucket=max_bs)  # every row padding
+
+    @staticmethod
+    def _split(buf: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return buf[: 3 * s * 8].view(torch.int64).view(3, s), buf[3 * s * 8 :].view(torch.int32)
 
     def batch(self, bucket: int, method: ForwardMethod, plan: BatchPlan) -> Batch:
         """The static batch of the first ``bucket`` rows: its tensors are views of the buffers."""
@@ -131,13 +136,13 @@ class StaticDecodeInputs:
 
         tokens, positions, slots, seq_lens: per request (host ints); pages: each request's page
         ids. Block-table rows are rewritten only where they changed (a request's row usually
-        only grows by a page now and then).
+        only grows by a page now and then). The copy to the device is asynchronous from the
+        host buffer: the caller reads each step's output (a sync) before the next fill, as the
+        engine does.
         """
         n = len(tokens)
         if not n <= bucket <= self.max_bs:
             raise ValueError(f"StaticDecodeInputs.fill: expected requests <= bucket <= {self.max_bs}, got {n}, {bucket}")
-        if self._copied is not None:  # the previous step's copy must have read the mirrors
-            self._copied.synchronize()
         np64, np32 = self._np64, self._np32
         np64[0, :n], np64[0, n:bucket] = tokens, 0
         np64[1, :n], np64[1, n:bucket] = positions, 0
@@ -149,11 +154,7 @@ class StaticDecodeInputs:
         np32[cu : cu + bucket + 1] = np32[cu : cu + bucket + 1].cumsum()
         for i in range(bucket):
             self._set_row(i, pages[i] if i < n else ())
-        self._dev64.copy_(self._host64, non_blocking=True)
-        self._dev32.copy_(self._host32, non_blocking=True)
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._dev.copy_(self._host, non_blocking=True)
 
     def _set_row(self, i: int, pages: Sequence[int]) -> None:
         old, k, n = self._rows[i], len(pages), len(self._rows[i])

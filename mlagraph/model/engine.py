@@ -359,13 +359,14 @@ class Engine:
             self.stats.prefill_seconds += elapsed
 
         out, row = [], 0
+        rows = None if all_logits else logits.unbind(0)  # one call for every row's view
         for r, toks in plan:
             n = len(toks) if all_logits else 1
             r.num_cached += len(toks)
             if all_logits:
                 out.append((r, logits[row : row + n]))
             elif r.num_cached == len(r.tokens):
-                out.append((r, logits[row]))
+                out.append((r, rows[row]))
             row += n
         return out
 
