@@ -87,7 +87,6 @@ class StaticDecodeInputs:
     def __init__(self, max_bs: int, max_pages: int, device: torch.device):
         self.max_bs, self.max_pages, self.device = max_bs, max_pages, torch.device(device)
         s = _round_up(max_bs)
-        self._s = s
         self._cu_k_at = s
         self._table_at = s + _round_up(max_bs + 1)
         n32 = self._table_at + max_bs * max_pages
@@ -159,7 +158,7 @@ class StaticDecodeInputs:
     def _set_row(self, i: int, pages: Sequence[int]) -> None:
         old, k, n = self._rows[i], len(pages), len(self._rows[i])
         if k == n and (k == 0 or pages[-1] == old[-1]) and list(pages) == old:
-            return  # unchanged (the common case; the last-page test skips most comparisons)
+            return  # unchanged: the common case (a changed row usually fails the cheap last-page test)
         if k > self.max_pages:
             raise ValueError(f"StaticDecodeInputs.fill: pages[{i}]: expected <= {self.max_pages} pages, got {k}")
         if k > n and list(pages[:n]) == old:  # the request grew: write only its new pages
