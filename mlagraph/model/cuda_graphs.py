@@ -149,8 +149,7 @@ class StaticDecodeInputs:
         np32[:n], np32[n:bucket] = seq_lens, 1  # padding: one key on no page (never read)
         cu = self._cu_k_at
         np32[cu] = 0
-        np32[cu + 1 : cu + bucket + 1] = list(seq_lens) + [1] * (bucket - n)
-        np32[cu : cu + bucket + 1] = np32[cu : cu + bucket + 1].cumsum()
+        np32[cu + 1 : cu + bucket + 1] = np32[:bucket].cumsum()  # cu_seqlens_k of the lengths above
         for i in range(bucket):
             self._set_row(i, pages[i] if i < n else ())
         self._dev.copy_(self._host, non_blocking=True)
@@ -188,13 +187,21 @@ class DecodeGraphs:
         max_pages: block-table width (pages of the longest request).
     """
 
+    desc = "capturing decode CUDA graphs"
+
     def __init__(self, step_fn, caches, buckets: Sequence[int], plans: dict[ForwardMethod, BatchPlan],
                  max_pages: int, device, progress: bool | None = None):
+        from tqdm.auto import tqdm
+
         self.buckets, self.methods = list(buckets), list(plans)
         self.inputs = StaticDecodeInputs(self.buckets[-1], max_pages, device)
-        self.graphs: dict[tuple[int, ForwardMethod], _Captured] = {}
-        self.pool = torch.cuda.graph_pool_handle()
-        self._capture(step_fn, caches, plans, progress)
+        self._fn, self._caches = step_fn, caches
+        self._setup()
+        # Largest bucket first: the memory pool it leaves serves the smaller ones.
+        todo = [(b, m) for m in plans for b in reversed(self.buckets)]
+        disable = None if progress is None else not progress  # None: a bar only on a terminal
+        for b, m in tqdm(todo, desc=self.desc, disable=disable):
+            self._capture(b, m, self.inputs.batch(b, m, plans[m]))
 
     @property
     def max_batch(self) -> int:
@@ -203,77 +210,66 @@ class DecodeGraphs:
     def bucket_for(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _capture(self, step_fn, caches, plans, progress) -> None:
-        from tqdm.auto import tqdm
-
-        todo = [(b, m) for m in plans for b in reversed(self.buckets)]  # largest first: the pool
-        device = self.inputs.device                                        # serves the smaller ones
-        disable = None if progress is None else not progress  # None: a bar only on a terminal
-        for b, m in tqdm(todo, desc="capturing decode CUDA graphs", disable=disable):
-            batch = self.inputs.batch(b, m, plans[m])
-            # Warm up outside the graph (compiles the step, initialises cuBLAS and Triton), on a
-            # side stream as capture requires; the buffers hold padding only: nothing is written.
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side), torch.no_grad():
-                for _ in range(2):
-                    step_fn(batch, caches)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
-                logits = step_fn(batch, caches)
-            self.graphs[(b, m)] = _Captured(graph, batch, logits)
-
     def run(self, method: ForwardMethod, tokens, positions, slots, pages, seq_lens) -> torch.Tensor:
         """One decode step of n <= max_batch requests -> logits [n, V] (a view of the graph's
         output: read it before the next step)."""
         n = len(tokens)
         bucket = self.bucket_for(n)
-        captured = self.graphs[(bucket, method)]
         self.inputs.fill(tokens, positions, slots, pages, seq_lens, bucket=bucket)
+        return self._replay(bucket, method)[:n]
+
+    # --- our capture: torch.cuda.graph, one pool -------------------------------------------------
+
+    def _setup(self) -> None:
+        self.graphs: dict[tuple[int, ForwardMethod], _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def _capture(self, bucket: int, method: ForwardMethod, batch: Batch) -> None:
+        device = self.inputs.device
+        # Warm up outside the graph (compiles the step, initialises cuBLAS and Triton), on a
+        # side stream as capture requires; the buffers hold padding only: nothing is written.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):
+                self._fn(batch, self._caches)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+            logits = self._fn(batch, self._caches)
+        self.graphs[(bucket, method)] = _Captured(graph, batch, logits)
+
+    def _replay(self, bucket: int, method: ForwardMethod) -> torch.Tensor:
+        captured = self.graphs[(bucket, method)]
         captured.graph.replay()
-        return captured.logits[:n]
+        return captured.logits
 
 
-class InductorDecodeGraphs:
+class InductorDecodeGraphs(DecodeGraphs):
     """Decode graphs captured by Inductor's CUDA-graph trees (``mode="reduce-overhead"``).
 
     The engine keeps the bucketing and the static buffers: every bucket's inputs (and the
     caches) are marked static, so the trees record one graph per (bucket, method) here, at
-    construction, and replay it without copying inputs. ``decode_fn`` is the step compiled with
+    construction, and replay it without copying inputs. ``step_fn`` is the step compiled with
     that mode; prefill runs through a separately compiled function without graphs.
     """
 
-    def __init__(self, decode_fn, caches, buckets: Sequence[int], plans: dict[ForwardMethod, BatchPlan],
-                 max_pages: int, device, progress: bool | None = None):
-        from tqdm.auto import tqdm
+    desc = "recording decode CUDA graphs (Inductor)"
 
-        self.buckets, self.methods = list(buckets), list(plans)
-        self.inputs = StaticDecodeInputs(self.buckets[-1], max_pages, device)
-        self._fn, self._caches = decode_fn, caches
-        for t in [*caches.latent, *(caches.index or ()), *([caches.scale] if caches.scale is not None else [])]:
+    def _setup(self) -> None:
+        c = self._caches
+        for t in [*c.latent, *(c.index or ()), *([c.scale] if c.scale is not None else [])]:
             torch._dynamo.mark_static_address(t, guard=False)
         self.batches: dict[tuple[int, ForwardMethod], Batch] = {}
-        todo = [(b, m) for m in plans for b in reversed(self.buckets)]
-        disable = None if progress is None else not progress
-        for b, m in tqdm(todo, desc="recording decode CUDA graphs (Inductor)", disable=disable):
-            batch = self.inputs.batch(b, m, plans[m])
-            for name in _BATCH_TENSORS:
-                torch._dynamo.mark_static_address(getattr(batch, name), guard=False)
-            self.batches[(b, m)] = batch
-            for _ in range(3):  # warm-up run, recording run, first replay
-                self._call(batch)
 
-    max_batch = DecodeGraphs.max_batch
-    bucket_for = DecodeGraphs.bucket_for
+    def _capture(self, bucket: int, method: ForwardMethod, batch: Batch) -> None:
+        for name in _BATCH_TENSORS:
+            torch._dynamo.mark_static_address(getattr(batch, name), guard=False)
+        self.batches[(bucket, method)] = batch
+        for _ in range(3):  # warm-up run, recording run, first replay
+            self._replay(bucket, method)
 
-    def _call(self, batch: Batch) -> torch.Tensor:
+    def _replay(self, bucket: int, method: ForwardMethod) -> torch.Tensor:
         torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
         with torch.no_grad():
-            return self._fn(batch, self._caches)
-
-    def run(self, method: ForwardMethod, tokens, positions, slots, pages, seq_lens) -> torch.Tensor:
-        n = len(tokens)
-        bucket = self.bucket_for(n)
-        self.inputs.fill(tokens, positions, slots, pages, seq_lens, bucket=bucket)
-        return self._call(self.batches[(bucket, method)])[:n]
+            return self._fn(self.batches[(bucket, method)], self._caches)

@@ -122,24 +122,22 @@ class _DirectGraphs(graphs.DecodeGraphs):
     """DecodeGraphs whose "graphs" call the model on the static batch: every step of the graph
     path but the capture and replay themselves, so it runs on CPU."""
 
-    def __init__(self, step_fn, caches, buckets, plans, max_pages, device):
-        self.buckets, self.methods = list(buckets), list(plans)
-        self.inputs = graphs.StaticDecodeInputs(self.buckets[-1], max_pages, device)
-        self._call = lambda b, m: step_fn(self.inputs.batch(b, m, plans[m]), caches)
-        self.replays: list[tuple[int, ForwardMethod]] = []
+    def _setup(self):
+        self.batches, self.replays = {}, []
 
-    def run(self, method, tokens, positions, slots, pages, seq_lens):
-        bucket = self.bucket_for(len(tokens))
-        self.inputs.fill(tokens, positions, slots, pages, seq_lens, bucket=bucket)
+    def _capture(self, bucket, method, batch):
+        self.batches[(bucket, method)] = batch
+
+    def _replay(self, bucket, method):
         self.replays.append((bucket, method))
         with torch.no_grad():
-            return self._call(bucket, method)[: len(tokens)]
+            return self._fn(self.batches[(bucket, method)], self._caches)
 
 
 def _direct_graph_engine(model, buckets, **kw) -> Engine:
     engine = Engine(model, max_num_seqs=4, max_model_len=48, page_size=4, **kw)
     plans = graphs.decode_plans(model.backend.capabilities, model.config.uses_dsa)
-    engine.graphs = _DirectGraphs(model, engine.caches, buckets, plans, 12, "cpu")
+    engine.graphs = _DirectGraphs(model, engine.caches, buckets, plans, 12, "cpu", progress=False)
     return engine
 
 
