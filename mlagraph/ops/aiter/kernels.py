@@ -57,6 +57,7 @@ import torch
 
 from .. import layouts
 from . import EMPTY_K_SHAPE
+from ..triton._launch import check_runnable
 from ._loader import load
 _SM_TARGET = 264  # stage-1 programs to aim for: two waves of an H200's 132 SMs
 
@@ -68,17 +69,9 @@ def _module(name: str):
 
 
 def _check_runnable(op: str, kernel, tensor: torch.Tensor) -> None:
-    """aiter's kernels were defined when aiter was first loaded: compiled ones need CUDA
-    tensors; interpreted ones (TRITON_INTERPRET=1 at that moment) run on CPU tensors too."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if tensor.device.type == "cuda" or isinstance(kernel, InterpretedFunction):
-        return
-    raise ValueError(
-        f"mlagraph_aiter.{op}: argument tensors: expected CUDA tensors (or TRITON_INTERPRET=1 set "
-        f"before aiter's kernels are first loaded, to run Triton's interpreter on CPU), got device "
-        f"{tensor.device}"
-    )
+    """aiter's kernels were defined when aiter was first loaded (interpreted if TRITON_INTERPRET=1
+    was set then)."""
+    check_runnable(op, kernel, tensor, "mlagraph_aiter", "before aiter's kernels are first loaded")
 
 
 def _flat_rows(kv_cache: torch.Tensor) -> torch.Tensor:
