@@ -13,42 +13,18 @@ random values and makes ``batch`` requests with ``ctx`` cached tokens each, then
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
+import sys
 import time
 
 import torch
 
-from mlagraph.model import DeepseekForCausalLM, Engine
-from mlagraph.model.config import deepseek_v3_shaped
-from mlagraph.model.engine import _Request
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_decode import decode_requests, engine_step, fill_latents, measure  # noqa: E402  (the same fake requests)
 
-
-def fake_decode_requests(engine: Engine, batch: int, ctx: int, seed: int = 0) -> list[_Request]:
-    """``batch`` requests, each with ``ctx`` tokens already cached, about to decode one more."""
-    g = torch.Generator().manual_seed(seed)
-    reqs = []
-    for i in range(batch):
-        tok = int(torch.randint(engine.model.config.vocab_size, (1,), generator=g))
-        r = _Request(index=i, tokens=[tok] * (ctx + 1), prompt_len=ctx, max_new_tokens=1)
-        r.pages = engine.allocator.allocate(math.ceil((ctx + 1) / engine.page_size))
-        r.num_cached = ctx
-        reqs.append(r)
-    return reqs
-
-
-def time_steps(engine: Engine, reqs: list[_Request], iters: int) -> list[float]:
-    ctx = [r.num_cached for r in reqs]
-    times = []
-    for i in range(iters + 3):
-        t0 = time.perf_counter()
-        engine._step(reqs, all_logits=False)  # synchronizes at its end
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-        for r, c in zip(reqs, ctx):
-            r.num_cached = c
-    return times
+from mlagraph.model import DeepseekForCausalLM, Engine  # noqa: E402
+from mlagraph.model.config import deepseek_v3_shaped  # noqa: E402
 
 
 def main() -> None:
@@ -67,10 +43,9 @@ def main() -> None:
     engine = Engine(model, max_num_seqs=args.batch, max_model_len=args.ctx + 16, page_size=64, compile=True,
                     cuda_graphs=True, cuda_graph_batch_sizes=[args.batch])
     print(f"engine (compile + capture): {time.perf_counter() - t0:.1f}s", flush=True)
-    for c in engine.caches.latent:
-        c.normal_()
-    reqs = fake_decode_requests(engine, args.batch, args.ctx)
-    step = statistics.median(time_steps(engine, reqs, args.iters))
+    fill_latents(engine, seed=0)
+    reqs = decode_requests(engine, args.batch, args.ctx, seed=0)
+    step = measure(lambda: engine_step(engine, reqs, args.ctx), args.iters)["ms"] / 1e3
 
     bucket = engine.graphs.bucket_for(args.batch)
     captured = engine.graphs.graphs[(bucket, engine.graphs.methods[0])]
