@@ -11,19 +11,16 @@ import time
 import torch
 
 from mlagraph.model.batch import build_batch
+from mlagraph.model.config import deepseek_v3_shaped
 
 
 def deepseek_v3_config(layers: int = 4, heads: int = 16, experts: int = 8) -> dict:
     """DeepSeek-V3's attention dims (kv_lora 512, rope 64, nope 128, v 128, q_lora 1536), scaled
     down elsewhere so a few layers fit on a CPU."""
-    return dict(
-        model_type="deepseek_v3", vocab_size=4096, hidden_size=1024, intermediate_size=2048,
-        moe_intermediate_size=256, num_hidden_layers=layers, num_attention_heads=heads, q_lora_rank=1536,
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=experts,
-        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-        norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=16384,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
-                         "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 1.0},
+    return deepseek_v3_shaped(
+        layers, vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_attention_heads=heads,
+        num_key_value_heads=heads, n_routed_experts=experts, n_group=2, first_k_dense_replace=1,
+        max_position_embeddings=16384,
     )
 
 

@@ -21,38 +21,16 @@ import torch
 
 import mlagraph
 from mlagraph.model import DeepseekForCausalLM, Engine
+from mlagraph.model.config import deepseek_v3_shaped
 from mlagraph.model.engine import StepStats
 from mlagraph.ops import backends
 
-# DeepSeek-V3's attention dimensions (kv_lora 512, rope 64, nope 128, v 128, q_lora 1536 scaled
+# DeepSeek-V3's attention dimensions (kv_lora 512, rope 64, nope 128, v 128; q_lora scaled
 # down) with few heads, layers and experts, so it runs in seconds on a CPU.
-TINY_V3 = dict(
-    model_type="deepseek_v3",
-    vocab_size=1024,
-    hidden_size=512,
-    intermediate_size=1024,
-    moe_intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    q_lora_rank=384,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    n_routed_experts=16,
-    n_shared_experts=1,
-    num_experts_per_tok=4,
-    n_group=4,
-    topk_group=2,
-    first_k_dense_replace=1,
-    norm_topk_prob=True,
-    routed_scaling_factor=2.5,
+TINY_V3 = deepseek_v3_shaped(
+    2, vocab_size=1024, hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=4,
+    q_lora_rank=384, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
     max_position_embeddings=4096,
-    rope_parameters={
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
-    },
-    initializer_range=0.02,
 )
 TINY_V32 = dict(TINY_V3, model_type="deepseek_v32", index_topk=64, index_head_dim=128, index_n_heads=8)
 
