@@ -16,12 +16,27 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
 
 
+def read_json(path: str | os.PathLike) -> Any:
+    """A JSON file's contents; a ValueError naming the file (and where) when it is missing or not JSON."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path!r}: expected a JSON file, got no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise ValueError(f"{path!r}: expected valid JSON, got a parse error{where}: {getattr(e, 'msg', e)}") from None
+
+
 def read_config_file(hf: Any) -> Any:
     """A path to config.json (or its directory) -> its dict; anything else is returned as is."""
     if isinstance(hf, (str, os.PathLike)):
         path = os.path.join(hf, "config.json") if os.path.isdir(hf) else hf
-        with open(path) as f:
-            return json.load(f)
+        config = read_json(path)
+        if not isinstance(config, dict):
+            raise ValueError(f"{os.fspath(path)!r}: expected a JSON object, got {type(config).__name__}")
+        return config
     return hf
 
 

@@ -20,6 +20,8 @@ from ..ops.rope import rope_cos_sin_cache
 from .attention import KVCaches, MLAttention, RMSNorm
 from .batch import Batch
 from .config import DeepseekConfig, read_config_file
+from .generation_config import eos_token_ids
+from .tokenizer import Tokenizer
 
 
 class MLP(nn.Module):
@@ -115,12 +117,23 @@ class DeepseekForCausalLM(nn.Module):
                 f"kv_cache_dtype: backend {backend!r} supports cache layouts "
                 f"{sorted(self.backend.capabilities.latent_layouts)}, got {kv_cache_dtype!r} ({self.cache_layout})"
             )
+        if self.cache_layout == "fp8_ds" and (cfg.kv_lora_rank <= 0 or cfg.kv_lora_rank % layouts.DS_GROUP):
+            # Caught here, at load, rather than by the cache ops at the first step.
+            raise ValueError(
+                f"kv_cache_dtype: 'fp8_ds' (one scale per {layouts.DS_GROUP} latent values; DeepSeek's 656-byte "
+                f"rows) expects kv_lora_rank a multiple of {layouts.DS_GROUP} (512 for DeepSeek), got "
+                f"kv_lora_rank={cfg.kv_lora_rank}; use kv_cache_dtype='fp8' or 'auto'"
+            )
         # Quantized latent caches get quantized indexer keys too (DeepSeek's 132-byte rows).
         self.index_layout = "bf16" if self.cache_layout == "bf16" else "fp8"
         self.model = DeepseekModel(cfg, self.backend)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # What generation needs from the checkpoint beyond weights (set by from_pretrained /
+        # from_config): its tokenizer (None: token ids only) and end-of-sequence ids.
+        self.tokenizer: Tokenizer | None = None
+        self.eos_token_ids: tuple[int, ...] = () if cfg.eos_token_id is None else (cfg.eos_token_id,)
         cos_sin = rope_cos_sin_cache(  # on the CPU: the same table whatever the device
             cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
             max_position_embeddings=cfg.max_position_embeddings, device="cpu",
@@ -141,6 +154,7 @@ class DeepseekForCausalLM(nn.Module):
         CUDA device the model is built and sampled there (a DeepSeek-V3-sized model in seconds),
         so its weights differ from the CPU model of the same seed.
         """
+        dtype, device = _as_dtype(dtype), _as_device(device)
         cfg = DeepseekConfig.from_hf(hf_config)
         std = init_std if init_std is not None else _initializer_range(hf_config)
         on_gpu = torch.device(device).type == "cuda"
@@ -158,6 +172,7 @@ class DeepseekForCausalLM(nn.Module):
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     b.copy_(torch.rand(b.shape, generator=g, device=g.device) * 0.1)
+        model.eos_token_ids = eos_token_ids(hf_config, cfg.vocab_size)
         return model.to_device_dtype(device, dtype)
 
     @classmethod
@@ -165,12 +180,23 @@ class DeepseekForCausalLM(nn.Module):
         cls, path: str | os.PathLike, *, backend: str = "reference", dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu", kv_cache_dtype: str = "auto", progress: bool = True,
     ) -> DeepseekForCausalLM:
-        """Loads a local Hugging Face checkpoint directory (config.json + *.safetensors)."""
-        from .loading import load_checkpoint
+        """Loads a local Hugging Face checkpoint directory (config.json + *.safetensors, and
+        tokenizer.json / tokenizer_config.json / generation_config.json when present).
 
+        ``dtype`` is a torch dtype or its name ("bfloat16"). Everything that can be checked
+        before the weights are read is: the path, config.json, every shard's header, dtype,
+        device and kv_cache_dtype.
+        """
+        from .loading import check_shards, checkpoint_dir, checkpoint_files, load_checkpoint
+
+        path = checkpoint_dir(path)
+        dtype, device = _as_dtype(dtype), _as_device(device)
         cfg = DeepseekConfig.from_hf(path)
+        check_shards(checkpoint_files(path))
+        tokenizer, eos = Tokenizer.from_dir(path), eos_token_ids(path, cfg.vocab_size)
         model = cls(cfg, backend=backend, kv_cache_dtype=kv_cache_dtype)
         load_checkpoint(model, path, progress=progress)
+        model.tokenizer, model.eos_token_ids = tokenizer, eos
         return model.to_device_dtype(device, dtype)
 
     def to_device_dtype(self, device, dtype: torch.dtype) -> DeepseekForCausalLM:
@@ -205,6 +231,32 @@ class DeepseekForCausalLM(nn.Module):
             h = layer(h, batch, self.rope_cos_sin, caches)
         h = self.model.norm(h[batch.logits_indices])
         return self.lm_head(h).float()
+
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+def _as_dtype(dtype) -> torch.dtype:
+    """A floating torch dtype, or its name ("bfloat16", "torch.bfloat16", "bf16")."""
+    if isinstance(dtype, str):
+        key = dtype.removeprefix("torch.")
+        if key not in _DTYPE_NAMES:
+            raise ValueError(f"dtype: expected a torch floating dtype or one of {sorted(_DTYPE_NAMES)}, got {dtype!r}")
+        return _DTYPE_NAMES[key]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype: expected a torch floating dtype or one of {sorted(_DTYPE_NAMES)}, got {dtype!r}")
+    return dtype
+
+
+def _as_device(device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: expected a torch device or its name ('cpu', 'cuda:0'), got {device!r} ({e})") from None
 
 
 def _initializer_range(hf_config) -> float:

@@ -15,13 +15,14 @@ Anything else missing, unexpected or mis-shaped raises one ValueError naming eve
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
+
+from .config import read_json
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -29,18 +30,61 @@ _FP8_BLOCK = 128
 _MAX_LISTED = 20
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def checkpoint_dir(path) -> str:
+    """``path`` as a local checkpoint directory with a config.json, or a ValueError that says
+    what it is instead (only local directories load: nothing is downloaded)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"from_pretrained: path: expected a local directory (str or os.PathLike), got {path!r}")
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        raise ValueError(
+            f"from_pretrained: path: expected a checkpoint directory, got the file {path!r}; "
+            f"pass the directory that holds it ({os.path.dirname(os.path.abspath(path))!r})"
+        )
+    if not os.path.isdir(path):
+        hint = ""
+        if _HUB_ID.match(path):
+            hint = (" It looks like a Hugging Face Hub id: only local directories load (nothing is downloaded);"
+                    " download it first, for example with huggingface_hub.snapshot_download, and pass that directory.")
+        raise ValueError(f"from_pretrained: path: expected a local checkpoint directory, got {path!r}, which does not exist.{hint}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"from_pretrained: path: expected a checkpoint directory with a config.json, got {path!r} without one")
+    return path
+
+
 def checkpoint_files(path: str | os.PathLike) -> list[str]:
     """The safetensors files of a checkpoint directory, from its index when sharded."""
     path = os.fspath(path)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
+        contents = read_json(index)
+        weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"from_pretrained: {index!r}: expected a 'weight_map' object, got {weight_map!r:.80}")
+        names = sorted(set(weight_map.values()))
+        absent = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+        if absent:
+            raise ValueError(f"from_pretrained: {index!r} names shard(s) that are not in the directory: {absent}")
     else:
         names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
     if not names:
         raise ValueError(f"from_pretrained: path: expected a directory with *.safetensors files, got {path!r}")
     return [os.path.join(path, n) for n in names]
+
+
+def check_shards(files: list[str]) -> None:
+    """Opens every shard's header before any weight is read, so a truncated or corrupt file is
+    named up front (safetensors' own error names no file)."""
+    for file in files:
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"from_pretrained: {file!r}: expected a complete safetensors file, got: {e} "
+                             f"(truncated or interrupted download?)") from None
 
 
 def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
