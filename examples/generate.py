@@ -52,6 +52,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", dest="compile", action="store_false", help="run eagerly")
     args = p.parse_args()
+    # Checked here, before anything is built, naming the flag.
+    if args.num_prompts < 1:
+        p.error(f"--num-prompts: expected a positive number of prompts, got {args.num_prompts}")
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens: expected a positive number of tokens, got {args.max_new_tokens}")
+    if args.prompt_len < 1:
+        p.error(f"--prompt-len: expected a positive number of tokens, got {args.prompt_len}")
+    if args.chunk is not None and args.chunk < 1:
+        p.error(f"--chunk: expected a positive prefill chunk size, got {args.chunk}")
 
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
@@ -95,7 +104,7 @@ def main() -> None:
 
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         mean_lp = sum(out.logprobs) / len(out.logprobs)
-        print(f"[{i}] prompt {len(prompt):3d} tok -> {out.token_ids}  (mean logprob {mean_lp:.3f}, {out.finish_reason})")
+        print(f"[{i}] prompt {len(prompt):3d} tok -> {out.token_ids}  (mean logprob {mean_lp:.3f}, finish_reason={out.finish_reason})")
     s = engine.stats
 
     def rate(tokens: int, seconds: float) -> str:
