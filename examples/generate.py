@@ -22,7 +22,7 @@ import torch
 import mlagraph
 from mlagraph.model import DeepseekForCausalLM, Engine
 from mlagraph.model.config import deepseek_v3_shaped
-from mlagraph.model.engine import StepStats
+from mlagraph.engine import StepStats
 from mlagraph.ops import backends
 
 # DeepSeek-V3's attention dimensions (kv_lora 512, rope 64, nope 128, v 128; q_lora scaled

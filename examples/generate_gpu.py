@@ -22,7 +22,7 @@ import torch
 
 from mlagraph.model import DeepseekForCausalLM, Engine
 from mlagraph.model.config import deepseek_v3_shaped
-from mlagraph.model.engine import StepStats
+from mlagraph.engine import StepStats
 from mlagraph.ops import backends
 
 

@@ -137,7 +137,7 @@ class _DirectGraphs(graphs.DecodeGraphs):
 def _direct_graph_engine(model, buckets, **kw) -> Engine:
     engine = Engine(model, max_num_seqs=4, max_model_len=48, page_size=4, **kw)
     plans = graphs.decode_plans(model.backend.capabilities, model.config.uses_dsa)
-    engine.graphs = _DirectGraphs(model, engine.caches, buckets, plans, 12, "cpu", progress=False)
+    engine.runner.graphs = _DirectGraphs(model, engine.caches, buckets, plans, 12, "cpu", progress=False)
     return engine
 
 

@@ -132,7 +132,7 @@ def test_all_pages_return_after_generate_and_prompt_logprobs(v3):
     engine = _engine(v3, max_num_seqs=2, prefill_chunk_size=5)
     assert engine.num_pages == 2 * math.ceil(MAX_LEN / 4)
     prompts = _prompts(2, [13, 1, 30, 7, 22])
-    outs = engine.generate(prompts, max_new_tokens=6)
+    outs = engine.generate(prompts, max_new_tokens=6, ignore_eos=True)
     assert all(len(o.token_ids) == 6 for o in outs)
     assert engine.allocator.num_free == engine.num_pages
     engine.prompt_logprobs(prompts, chunk_size=4)
@@ -141,15 +141,40 @@ def test_all_pages_return_after_generate_and_prompt_logprobs(v3):
     assert sorted(engine.allocator.allocate(engine.num_pages)) == list(range(engine.num_pages))
 
 
-def test_pages_return_when_generate_fails(v3):
-    """Out of pages mid-generation: the error surfaces, and no page leaks."""
-    engine = _engine(v3, max_num_seqs=2, num_pages=5)  # 20 slots for two 14-token prompts + decode
-    with pytest.raises(RuntimeError, match="page allocator"):
+def test_too_few_pages_is_an_error_at_construction(v3):
+    with pytest.raises(ValueError, match=r"Engine: num_pages: expected at least 12 \(one request of max_model_len=48 "
+                                         r"tokens in pages of 4\), got 5"):
+        _engine(v3, max_num_seqs=2, num_pages=5)
+
+
+def test_few_pages_queue_requests_instead_of_failing(v3):
+    """Requests wait for pages instead of running out of them mid-generation."""
+    prompts = _prompts(3, [9, 9, 20])
+    want = _engine(v3).generate(prompts, max_new_tokens=10, ignore_eos=True)
+    engine = _engine(v3, max_num_seqs=3, num_pages=12)  # one full-length request's pages
+    got = engine.generate(prompts, max_new_tokens=10, ignore_eos=True)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert engine.allocator.num_free == 12
+
+
+def test_pages_return_when_a_step_fails(v3):
+    """The model fails mid-generation: the error surfaces, no page leaks, the engine still works."""
+    engine = _engine(v3, max_num_seqs=2)
+    calls = []
+
+    def failing(batch, caches):
+        calls.append(batch.num_reqs)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return v3(batch, caches)
+
+    engine.runner.step_fn = failing
+    with pytest.raises(RuntimeError, match="boom"):
         engine.generate(_prompts(3, [9, 9]), max_new_tokens=10)
-    assert engine.allocator.num_free == 5
-    # the engine is still usable
-    assert len(engine.generate(_prompts(3, [9]), max_new_tokens=4)[0].token_ids) == 4
-    assert engine.allocator.num_free == 5
+    assert engine.allocator.num_free == engine.num_pages and not engine.has_unfinished_requests()
+    engine.runner.step_fn = v3
+    assert len(engine.generate(_prompts(3, [9]), max_new_tokens=4, ignore_eos=True)[0].token_ids) == 4
+    assert engine.allocator.num_free == engine.num_pages
 
 
 # --- sampling --------------------------------------------------------------------------------------
@@ -190,12 +215,12 @@ def test_greedy_is_the_argmax_of_teacher_forcing(v3):
 
 def test_stop_token_ids(v3):
     prompts = _prompts(6, [4, 9, 15])
-    plain = _engine(v3).generate(prompts, max_new_tokens=10)
+    plain = _engine(v3).generate(prompts, max_new_tokens=10, ignore_eos=True)
     # a token the first request generates at step 3, not before
     toks = plain[0].token_ids
     k = next(i for i in range(2, 10) if toks[i] not in toks[:i])
     stop = toks[k]
-    outs = _engine(v3).generate(prompts, max_new_tokens=10, stop_token_ids=[stop])
+    outs = _engine(v3).generate(prompts, max_new_tokens=10, stop_token_ids=[stop], ignore_eos=True)
     for p, o in zip(plain, outs):
         if stop in p.token_ids:
             j = p.token_ids.index(stop)
@@ -205,8 +230,8 @@ def test_stop_token_ids(v3):
             assert o.token_ids == p.token_ids and o.finish_reason == "length"
     assert outs[0].finish_reason == "stop" and len(outs[0].token_ids) == k + 1
     # stopping on the very first token
-    first = _engine(v3).generate(prompts[:1], max_new_tokens=10, stop_token_ids=[toks[0], 12345])[0]
-    assert first.token_ids == toks[:1] and first.finish_reason == "stop"
+    first = _engine(v3).generate(prompts[:1], max_new_tokens=10, stop_token_ids=[toks[0], 95], ignore_eos=True)[0]
+    assert first.token_ids == toks[:1] and first.finish_reason == "stop" and first.stop_reason == toks[0]
 
 
 def test_max_model_len_stops_requests(v3):
@@ -235,12 +260,12 @@ def test_more_requests_than_max_num_seqs(v3):
         sizes.append(batch.num_reqs)
         return v3(batch, caches)
 
-    engine._step_fn = step
-    together = engine.generate(prompts, max_new_tokens=5)
+    engine.runner.step_fn = step
+    together = engine.generate(prompts, max_new_tokens=5, ignore_eos=True)
     assert max(sizes) == 2 and len(sizes) >= math.ceil(len(prompts) / 2) * 5
     assert engine.allocator.num_free == engine.num_pages
     for p, t in zip(prompts, together):
-        alone = _engine(v3, max_num_seqs=1).generate([p], max_new_tokens=5)[0]
+        alone = _engine(v3, max_num_seqs=1).generate([p], max_new_tokens=5, ignore_eos=True)[0]
         assert t.token_ids == alone.token_ids and t.finish_reason == "length" and t.prompt_len == len(p)
         torch.testing.assert_close(torch.tensor(t.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
     # prompt_logprobs beyond max_num_seqs too

@@ -29,6 +29,24 @@ def _engine(path, **kw) -> Engine:
     return Engine(model, max_num_seqs=4, max_model_len=128, page_size=4, **kw)
 
 
+@pytest.mark.parametrize("kind", ["v3", "v32"])
+def test_greedy_generation_stops_at_eos_like_transformers_generate(hf_checkpoint, kind):
+    """The checkpoint's eos_token_id (1, transformers' default) ends generation by default, as
+    in transformers' generate; these prompts reach it within 12 tokens, at different steps."""
+    hf, path = hf_checkpoint(kind)
+    engine = _engine(path)
+    assert engine.model.eos_token_ids == (1,)
+    reasons = set()
+    for ids in _prompts(2, [6, 9, 13]):
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
+        got = engine.generate([ids], max_new_tokens=12)[0]
+        assert got.token_ids == want
+        reasons.add(got.finish_reason)
+        if got.finish_reason == "stop":
+            assert got.token_ids[-1] == 1 and got.stop_reason == 1 and 1 not in got.token_ids[:-1]
+    assert reasons == {"stop", "length"}
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("chunk_size", [None, 5])
 def test_prompt_logprobs_match_transformers(hf_checkpoint, kind, chunk_size):
@@ -45,7 +63,7 @@ def test_prompt_logprobs_match_transformers(hf_checkpoint, kind, chunk_size):
 def test_greedy_generation_matches_teacher_forcing(hf_checkpoint, kind):
     hf, path = hf_checkpoint(kind)
     prompts = _prompts(2, [6, 21])
-    outs = _engine(path).generate(prompts, max_new_tokens=10, temperature=0.0)
+    outs = _engine(path).generate(prompts, max_new_tokens=10, temperature=0.0, ignore_eos=True)
     for ids, out in zip(prompts, outs):
         assert len(out.token_ids) == 10 and out.finish_reason == "length"
         full = ids + out.token_ids
