@@ -46,6 +46,7 @@ class BlockManager:
         self._hash_of: dict[int, bytes] = {}
         # cached pages nobody holds, oldest release first: evicted in this order
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.num_evicted = 0  # cached pages taken back by allocations, so far
 
     @property
     def num_free(self) -> int:
@@ -72,6 +73,7 @@ class BlockManager:
             else:
                 page, _ = self._evictable.popitem(last=False)
                 del self._by_hash[self._hash_of.pop(page)]
+                self.num_evicted += 1
             self._refs[page] = 1
             pages.append(page)
         return pages
