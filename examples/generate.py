@@ -5,6 +5,7 @@ checkpoint.
     python examples/generate.py --model DIR          # a local Hugging Face checkpoint directory
     python examples/generate.py --arch v32 --chunk 8 # V3.2 (DSA) with chunked prefill
     python examples/generate.py --no-compile         # eager (no torch.compile)
+    python examples/generate.py --model DIR --prompt "Hello" --chat   # text in and out (tokenizer.json)
 
 Compiles the engine step with mlagraph.compile (Inductor + mlagraph's fusion passes, one graph
 per batch-plan variant), prints the fusions applied per layer, each request's tokens and the
@@ -14,6 +15,7 @@ prefill / decode timings (compile time excluded: a short warm-up compiles first)
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 
@@ -51,6 +53,10 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk size (default: whole prompts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", dest="compile", action="store_false", help="run eagerly")
+    p.add_argument("--prompt", action="append", help="a text prompt (repeatable; needs --model DIR with a "
+                   "tokenizer.json); default: random token-id prompts")
+    p.add_argument("--chat", action="store_true", help="wrap each --prompt as a user message in the chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     args = p.parse_args()
     # Checked here, before anything is built, naming the flag.
     if args.num_prompts < 1:
@@ -61,6 +67,10 @@ def main() -> None:
         p.error(f"--prompt-len: expected a positive number of tokens, got {args.prompt_len}")
     if args.chunk is not None and args.chunk < 1:
         p.error(f"--chunk: expected a positive prefill chunk size, got {args.chunk}")
+    if args.prompt and not (args.model and os.path.isfile(os.path.join(args.model, "tokenizer.json"))):
+        p.error(f"--prompt: expected --model DIR with a tokenizer.json, got --model {args.model!r}")
+    if args.chat and not args.prompt:
+        p.error("--chat: expected --prompt TEXT to wrap in the chat template, got no --prompt")
 
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
@@ -82,29 +92,37 @@ def main() -> None:
         f"| built in {time.perf_counter() - t0:.2f}s"
     )
 
-    rnd = random.Random(args.seed)
-    lens = [max(1, int(args.prompt_len * rnd.uniform(0.5, 1.5))) for _ in range(args.num_prompts)]
-    prompts = [[rnd.randrange(cfg.vocab_size) for _ in range(n)] for n in lens]
+    if args.prompt:
+        tok = model.tokenizer
+        prompts = [[{"role": "user", "content": t}] for t in args.prompt] if args.chat else list(args.prompt)
+        lens = [len(tok.encode(tok.apply_chat_template(q), add_special_tokens=False) if args.chat else tok.encode(q))
+                for q in prompts]
+    else:
+        rnd = random.Random(args.seed)
+        lens = [max(1, int(args.prompt_len * rnd.uniform(0.5, 1.5))) for _ in range(args.num_prompts)]
+        prompts = [[rnd.randrange(cfg.vocab_size) for _ in range(n)] for n in lens]
     engine = Engine(
-        model, max_num_seqs=max(1, args.num_prompts), max_model_len=max(lens) + args.max_new_tokens,
+        model, max_num_seqs=len(prompts), max_model_len=max(lens) + args.max_new_tokens,
         page_size=16, prefill_chunk_size=args.chunk, seed=args.seed, compile=args.compile,
     )
     if args.compile:
         # Warm-up on the same prompts: compiles the graphs of the plan variants this run meets
         # (prefill, chunked, decode; for V3.2 also dense / split / sparse).
         t0 = time.perf_counter()
-        engine.generate(prompts, max_new_tokens=2)
+        engine.generate(prompts, max_new_tokens=2, ignore_eos=True)
         fused = sorted({(r.pass_name, r.layer) for r in mlagraph.passes.reports()}, key=str)
         print(f"compiled {len({r.graph for r in mlagraph.passes.reports()})} graphs in {time.perf_counter() - t0:.1f}s; "
               f"passes applied: " + ", ".join(f"{name}@layer{layer}" for name, layer in fused))
         engine.stats = StepStats()
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    outs = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           ignore_eos=args.ignore_eos)
     wall = time.perf_counter() - t0
 
-    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+    for i, out in enumerate(outs):
         mean_lp = sum(out.logprobs) / len(out.logprobs)
-        print(f"[{i}] prompt {len(prompt):3d} tok -> {out.token_ids}  (mean logprob {mean_lp:.3f}, finish_reason={out.finish_reason})")
+        shown = repr(out.text) if out.text is not None else out.token_ids
+        print(f"[{i}] prompt {out.prompt_len:3d} tok -> {shown}  (mean logprob {mean_lp:.3f}, {out.describe()})")
     s = engine.stats
 
     def rate(tokens: int, seconds: float) -> str:

@@ -36,3 +36,30 @@ def test_bad_flags_are_named(example, monkeypatch, capsys, flags, message):
     out = capsys.readouterr()
     assert message in out.err
     assert "model:" not in out.out  # nothing was built
+
+
+def test_prompt_needs_a_checkpoint_with_a_tokenizer(example, monkeypatch, capsys, tmp_path):
+    for flags in (["--prompt", "hi"], ["--prompt", "hi", "--model", str(tmp_path)]):
+        monkeypatch.setattr(sys, "argv", ["generate.py", *flags])
+        with pytest.raises(SystemExit):
+            example.main()
+        assert "--prompt: expected --model DIR with a tokenizer.json" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["generate.py", "--chat"])
+    with pytest.raises(SystemExit):
+        example.main()
+    assert "--chat: expected --prompt TEXT" in capsys.readouterr().err
+
+
+def test_text_prompt_prints_text_and_labelled_finish_reason(example, monkeypatch, capsys, hf_checkpoint, tmp_path):
+    import shutil
+
+    from tests.model.tiny_tokenizer import write_tokenizer
+
+    _, path = hf_checkpoint("v3")
+    ckpt = shutil.copytree(path, tmp_path / "ckpt")
+    write_tokenizer(ckpt)
+    monkeypatch.setattr(sys, "argv", ["generate.py", "--model", str(ckpt), "--prompt", "hello the cat", "--chat",
+                                      "--no-compile", "--max-new-tokens", "3", "--ignore-eos"])
+    example.main()
+    out = capsys.readouterr().out
+    assert "[0] prompt   6 tok -> '" in out and "finish_reason=length" in out
