@@ -9,7 +9,7 @@ and hidden dims and vocabulary, ``--layers`` layers, a small MoE), bf16 on one G
 of ``--iters`` steps after 3 warm-up steps, at every B in --batches and ctx in --contexts.
 
 How:
-- mlagraph: the step as the Engine runs it (``engine._step``: host batch building, copies to
+- mlagraph: the step as the Engine runs it (``engine.runner.run``: host batch building, copies to
   the device, the model or its CUDA-graph replay, the final sync) over B fake requests whose
   pages hold random latents. Variants: ``eager``; ``no_passes`` (compiled, lints only);
   ``full`` (compiled + CUDA graphs, the whole stack); ``aiter`` (the same on aiter's kernels);
@@ -25,7 +25,7 @@ How:
 Why so:
 - No prefill: caches hold random latents (a step's cost does not depend on their values), so
   B=128 x 4K fits and costs no prefill. Each timed step rewrites position ctx (HF's cache
-  length counters are rewound before each step, our requests' num_cached after it).
+  length counters are rewound before each step; the engine's runner does not advance ours).
 - One copy of the 2.3B weights, drawn on the device: every model (transformers' too) shares
   the first one's tensors.
 - Same function: before the HF variants, both models decode one small batch from the same
@@ -59,7 +59,7 @@ from common import device_name  # noqa: E402
 import mlagraph  # noqa: E402
 from mlagraph.model import DeepseekConfig, DeepseekForCausalLM, Engine  # noqa: E402
 from mlagraph.model.config import deepseek_v3_shaped  # noqa: E402
-from mlagraph.model.engine import _Request  # noqa: E402
+from mlagraph.engine import Request, SamplingParams  # noqa: E402
 from mlagraph.ops import backends  # noqa: E402
 
 PAGE_SIZE = 64
@@ -218,13 +218,13 @@ def time_hf(fn, hf, batch: int, ctx: int, iters: int, seed: int) -> dict:
 # --- mlagraph: the engine's step over fake decoding requests ----------------------------------
 
 
-def decode_requests(engine: Engine, batch: int, ctx: int, seed: int) -> list[_Request]:
+def decode_requests(engine: Engine, batch: int, ctx: int, seed: int) -> list[Request]:
     """``batch`` requests with ``ctx`` tokens cached (pages allocated) and one token to decode."""
     rng, reqs = random.Random(seed), []
     try:
         for i in range(batch):
-            req = _Request(index=i, tokens=[rng.randrange(engine.model.config.vocab_size)] * (ctx + 1),
-                           prompt_len=ctx, max_new_tokens=1)
+            req = Request(id=i, tokens=[rng.randrange(engine.model.config.vocab_size)] * (ctx + 1),
+                          prompt_len=ctx, params=SamplingParams(max_new_tokens=1))
             req.pages = engine.allocator.allocate(math.ceil((ctx + 1) / engine.page_size))
             req.num_cached = ctx
             reqs.append(req)
@@ -234,22 +234,21 @@ def decode_requests(engine: Engine, batch: int, ctx: int, seed: int) -> list[_Re
     return reqs
 
 
-def release(engine: Engine, reqs: list[_Request]) -> None:
+def release(engine: Engine, reqs: list[Request]) -> None:
     for r in reqs:
         engine.allocator.free(r.pages)
         r.pages = []
 
 
-def engine_step(engine: Engine, reqs: list[_Request], ctx: int) -> tuple[float, torch.Tensor]:
-    """One engine step, timed (it syncs at its end) -> (seconds, logits [B,V]); then rewinds."""
+def engine_step(engine: Engine, reqs: list[Request], ctx: int) -> tuple[float, torch.Tensor]:
+    """One engine step, timed (it syncs at its end) -> (seconds, logits [B,V]). The runner
+    does not advance the requests, so every step rewrites position ctx."""
     t0 = time.perf_counter()
-    out = engine._step(reqs, all_logits=False)
+    logits = engine.runner.run([(r, r.tokens[ctx : ctx + 1]) for r in reqs], all_logits=False)
     dt = time.perf_counter() - t0
-    for r in reqs:
-        r.num_cached = ctx
-    if len(out) != len(reqs):
-        raise RuntimeError(f"engine step: expected logits for {len(reqs)} requests, got {len(out)}")
-    return dt, torch.stack([logits for _, logits in out])
+    if logits.shape[0] != len(reqs):
+        raise RuntimeError(f"engine step: expected logits for {len(reqs)} requests, got {logits.shape[0]}")
+    return dt, logits.clone()  # a graph replay's output is overwritten by the next one
 
 
 def time_engine(engine: Engine, batch: int, ctx: int, iters: int, seed: int) -> dict:
