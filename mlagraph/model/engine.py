@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from . import cuda_graphs as graphs
-from .batch import BatchKind, BatchPlan, build_batch, choose_forward_method
+from .batch import BatchKind, build_batch, plan_step
 from .deepseek import DeepseekForCausalLM
 
 
@@ -173,6 +173,7 @@ class Engine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.stats = StepStats()
         self._step_fn = model
+        self._compiled = []  # the CompiledSteps this engine owns
         self._min_reqs = 1
         decode_fn, inductor_graphs = model, False
         if compile:
@@ -189,12 +190,21 @@ class Engine:
             self._step_fn = mlagraph_compile(model, **kw, mode=None if inductor_graphs else mode)
             decode_fn = mlagraph_compile(model, **kw, mode=mode) if inductor_graphs else self._step_fn
             self._min_reqs = 2
+            self._compiled = [self._step_fn] + ([decode_fn] if inductor_graphs else [])
         self._decode_fn, self._inductor_graphs = decode_fn, inductor_graphs
+
         self.graphs = None  # DecodeGraphs | InductorDecodeGraphs
         if cuda_graphs:
             self.graphs = self._capture(decode_fn, inductor_graphs, cuda_graph_batch_sizes, progress)
 
     # --- public API ----------------------------------------------------------------------
+
+    @property
+    def compiled_graphs(self) -> int:
+        """Graphs dynamo compiled for this engine's steps so far: one per batch-plan variant the
+        engine has run (0 without compile). Each engine owns its graphs: no other engine or
+        model in the process adds to them or recompiles them."""
+        return sum(f.num_graphs for f in self._compiled)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, temperature: float = 0.0,
@@ -272,14 +282,6 @@ class Engine:
         cls = graphs.InductorDecodeGraphs if inductor_graphs else graphs.DecodeGraphs
         return cls(decode_fn, self.caches, buckets, plans, max_pages, self.device, progress)
 
-    def _graph_method(self, seq_lens: list[int]):
-        """The forward method of a graph-captured decode step, chosen on the host (lesson 7)."""
-        if len(self.graphs.methods) == 1:
-            return self.graphs.methods[0]
-        dense = max(seq_lens) <= self.dsa_dense_max_kv_len
-        plan = BatchPlan(BatchKind.DECODE, 1, True, dsa_dense=dense)
-        return choose_forward_method(self.model.backend.capabilities, plan)
-
     def _replay(self, plan: list) -> torch.Tensor:
         """A one-token decode step through the CUDA graphs: logits [n, V]."""
         ps = self.page_size
@@ -291,7 +293,14 @@ class Engine:
             slots.append(r.pages[pos // ps] * ps + pos % ps)
             pages.append(r.pages)
             seq_lens.append(pos + 1)
-        return self.graphs.run(self._graph_method(seq_lens), tokens, positions, slots, pages, seq_lens)
+        # the plan is made on the host before the replay (docs/design.md rule 7), by the same
+        # function that picks an uncaptured step's method
+        n = len(plan)
+        _, method = plan_step(
+            self.model.backend.capabilities, [1] * n, positions, [True] * n, dsa=self.model.config.uses_dsa,
+            dsa_dense_max_kv_len=self.dsa_dense_max_kv_len, graphed=True,
+        )
+        return self.graphs.run(method, tokens, positions, slots, pages, seq_lens)
 
     def _check_prompts(self, prompts) -> None:
         """Validates everything before any state changes, so a rejected call changes nothing."""
