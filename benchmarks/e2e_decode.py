@@ -460,7 +460,6 @@ def run_mlagraph(key: str, models: Models, base: str, batches, contexts, results
             name = added.name
         info["backend"] = name
         model = models.get(name)
-        torch._dynamo.reset()  # dynamo's recompile limit is per code object, shared by all engines
         n_records = len(mlagraph.passes.reports())
         if models.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(models.device)
@@ -490,8 +489,7 @@ def run_mlagraph(key: str, models: Models, base: str, batches, contexts, results
         if added is not None:
             models.ours.pop(added.name, None)
             backends.unregister(added.name)
-        gc.collect()
-        torch._dynamo.reset()
+        gc.collect()  # the engine's compiled steps go with it (each owns its graphs)
         if models.device.type == "cuda":
             torch.cuda.empty_cache()
     peaks = [p for p in (info.get("setup_peak_gib"), results.peak(key, [(b, c) for b in batches for c in contexts]))

@@ -10,14 +10,22 @@ Both backends run :class:`~mlagraph.passes.manager.MLAPassManager` for the model
 backend. ``mlagraph.compile`` reads it from the model (``model.backend``); by name, pass
 ``options={"attention_backend": "triton"}``, or it is the one backend whose private ops
 appear in the graph (``reference`` when none do).
+
+``mlagraph.compile`` returns a :class:`CompiledStep`, which owns its graphs: one compiled
+function per batch-plan variant, each with a code object of its own. Dynamo keeps its cache
+and its recompile budget per code object, so a step compiled this way never shares them with
+another model, engine or variant in the process (``torch.compile(model)`` would: every
+instance of a class shares its ``forward`` and the limit of 8 graphs that comes with it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
+from ._compat import no_duck_shapes
 from .ops import backends
 from .passes.graph_utils import op_name
 from .passes.manager import MLAPassManager
@@ -35,10 +43,18 @@ def _attention_backend(gm: torch.fx.GraphModule, name: str | None) -> backends.B
     if name is not None:
         return backends.get(name)
     present = {op_name(n) for n in gm.graph.nodes}
-    owners = [b.name for b in backends.registered() if b.owned_ops() & present]
-    if len(owners) > 1:
+    private = set().union(*(b.owned_ops() for b in backends.registered())) & present
+    if not private:
+        return backends.get("reference")
+    # The backend that maps every private op present (its own, or a declared fallback: an
+    # aiter graph holds triton's RoPE) and owns at least one of them (a triton graph is
+    # triton's, though aiter maps all of its ops too).
+    fits = [b.name for b in backends.registered()
+            if private <= set(b.op_names.values()) and b.owned_ops() & private]
+    if len(fits) != 1:
+        owners = [b.name for b in backends.registered() if b.owned_ops() & private]
         raise ValueError(f"mlagraph backend: the graph mixes ops private to backends {owners}")
-    return backends.get(owners[0] if owners else "reference")
+    return backends.get(fits[0])
 
 
 def _pass_manager(gm, ours: dict) -> MLAPassManager:
@@ -77,7 +93,7 @@ def mlagraph_eager_backend(gm: torch.fx.GraphModule, example_inputs, *, mode=Non
 
 
 def compile(model_or_fn, *, backend: str = "mlagraph", strict: bool = False, lint: bool = True, passes=None,
-            attention_backend: str | None = None, **torch_compile_kwargs: Any):
+            attention_backend: str | None = None, **torch_compile_kwargs: Any) -> CompiledStep:
     """``torch.compile`` with mlagraph's passes for the model's attention backend.
 
     Args:
@@ -101,24 +117,68 @@ def compile(model_or_fn, *, backend: str = "mlagraph", strict: bool = False, lin
     def compiler(gm, example_inputs):
         return fn(gm, example_inputs, mode=mode, options=options)
 
-    return _WithoutDuckShapes(torch.compile(model_or_fn, backend=compiler, **torch_compile_kwargs))
+    return CompiledStep(model_or_fn, compiler, torch_compile_kwargs)
 
 
-class _WithoutDuckShapes:
-    """Calls a compiled function with duck shaping off.
+def variant_of(args: tuple) -> Hashable:
+    """What selects a step's graph: a Batch's host-side variant (plan, forward method, ...), or
+    None for calls that are not engine steps."""
+    first = args[0] if args else None
+    return getattr(first, "variant", None)
 
-    By default dynamo gives two dimensions one symbol when they happen to be equal at the first
-    trace (a 1-token-per-request batch has as many tokens as logits rows) and recompiles when
-    they later differ. Our token, request and logits dimensions are independent, so we trace
-    them as such: one graph per batch-plan variant, for every size.
+
+class CompiledStep:
+    """A callable compiled per batch-plan variant (see the module docstring).
+
+    ``step(batch, caches)`` runs the graph of ``batch.variant``, compiling it on first use;
+    every other call (args that are not a Batch) shares one compiled function. Dynamic
+    dimensions are traced without duck shaping (:func:`mlagraph._compat.no_duck_shapes`).
+
+    Attributes:
+        fn: the model or function it compiles.
+        graphs: variant -> number of graphs dynamo compiled for it (1 each, when nothing
+            recompiles).
     """
 
-    def __init__(self, compiled):
-        self._compiled = compiled
+    def __init__(self, fn: Callable, compiler: Callable, torch_compile_kwargs: dict):
+        self.fn = fn
+        self.graphs: dict[Hashable, int] = {}
+        self._compiler, self._kwargs = compiler, torch_compile_kwargs
+        self._compiled: dict[Hashable, Callable] = {}
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs compiled so far, over all variants."""
+        return sum(self.graphs.values())
 
     def __call__(self, *args, **kwargs):
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
-            return self._compiled(*args, **kwargs)
+        key = variant_of(args)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = self._compile(key)
+        with no_duck_shapes():
+            return compiled(*args, **kwargs)
 
-    def __getattr__(self, name):
-        return getattr(self._compiled, name)
+    def _compile(self, key: Hashable) -> Callable:
+        self.graphs[key] = 0
+
+        def counting_compiler(gm, example_inputs):
+            compiled = self._compiler(gm, example_inputs)
+            # counted once compiled: dynamo may abandon a trace and restart it (it raises
+            # through the backend), which is not a graph of ours
+            self.graphs[key] += 1
+            return compiled
+
+        return torch.compile(_own_code(self.fn), backend=counting_compiler, **self._kwargs)
+
+
+def _own_code(fn: Callable) -> Callable:
+    """``fn`` called through a function whose code object is new: dynamo's cache and recompile
+    budget are per code object, so this one shares them with nothing (``code.replace()``
+    always builds a new code object)."""
+
+    def step(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    step.__code__ = step.__code__.replace()
+    return step

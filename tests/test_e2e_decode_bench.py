@@ -64,7 +64,6 @@ def test_ref_decode_backend_compiles_and_passes_lints(tiny):
     try:
         assert added.owned_ops() == frozenset()
         model = bench.build_model(cfg, added.name, CPU, torch.float32, like=ours)
-        torch._dynamo.reset()
         engines = [Engine(ours, max_num_seqs=2, max_model_len=96, page_size=64),
                    Engine(model, max_num_seqs=2, max_model_len=96, page_size=64, compile=True,
                           compile_backend="mlagraph_eager")]
@@ -80,7 +79,6 @@ def test_ref_decode_backend_compiles_and_passes_lints(tiny):
         assert "mlagraph.mla_decode(" in mlagraph.passes.last_compile().after
     finally:
         backends.unregister(added.name)
-        torch._dynamo.reset()
     assert backends.names() == before
 
 

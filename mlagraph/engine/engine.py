@@ -14,7 +14,7 @@ cache), the :class:`~.model_runner.ModelRunner` (caches, compiled steps, CUDA gr
 sampling, stopping and the outputs.
 
 With ``cuda_graphs=True`` (CUDA only) decode steps replay CUDA graphs captured in the
-constructor, one per batch-size bucket (mlagraph.model.cuda_graphs); prefill steps, and decode
+constructor, one per batch-size bucket (mlagraph.engine.cuda_graphs); prefill steps, and decode
 batches larger than the largest bucket, run the (compiled) step without graphs.
 """
 
@@ -137,6 +137,13 @@ class Engine:
     def graphs(self):
         """The decode CUDA graphs (None without cuda_graphs)."""
         return self.runner.graphs
+
+    @property
+    def compiled_graphs(self) -> int:
+        """Graphs dynamo compiled for this engine's steps so far: one per batch-plan variant the
+        engine has run (0 without compile). Each engine owns its graphs: no other engine or
+        model in the process adds to them or recompiles them."""
+        return sum(f.num_graphs for f in self.runner.compiled)
 
     # --- the step API --------------------------------------------------------------------
 

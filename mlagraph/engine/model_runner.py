@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..model import cuda_graphs as graphs
-from ..model.batch import BatchKind, BatchPlan, build_batch, choose_forward_method
+from . import cuda_graphs as graphs
+from ..model.batch import BatchKind, build_batch, plan_step
 from ..model.deepseek import DeepseekForCausalLM
 from .progress import CompileProgress
 from .request import Request
@@ -40,6 +40,7 @@ class ModelRunner:
         self.dsa_dense_max_kv_len = dsa_dense_max_kv_len
         self.caches = model.allocate_caches(num_pages, page_size)
         self.step_fn = model
+        self.compiled = []  # the CompiledSteps this runner owns
         self.min_reqs = 1
         self.compile_progress = CompileProgress(progress) if compile else None
         decode_fn, inductor_graphs = model, False
@@ -57,6 +58,7 @@ class ModelRunner:
             self.step_fn = mlagraph_compile(model, **kw, mode=None if inductor_graphs else mode)
             decode_fn = mlagraph_compile(model, **kw, mode=mode) if inductor_graphs else self.step_fn
             self.min_reqs = 2
+            self.compiled = [self.step_fn] + ([decode_fn] if inductor_graphs else [])
         self.decode_fn, self.inductor_graphs = decode_fn, inductor_graphs
         self.graphs = None  # DecodeGraphs | InductorDecodeGraphs
         if cuda_graphs:
@@ -85,7 +87,7 @@ class ModelRunner:
             if self.compile_progress is None:
                 logits = step_fn(batch, self.caches)
             else:
-                key = (batch.plan, batch.method, batch.single_request, step_fn is self.decode_fn)
+                key = (batch.variant, step_fn is self.decode_fn)  # one compiled graph per variant
                 with self.compile_progress.step(key, f"{batch.plan.kind.value} ({batch.method.value})"):
                     logits = step_fn(batch, self.caches)
         if self.device.type == "cuda":
@@ -105,14 +107,6 @@ class ModelRunner:
         cls = graphs.InductorDecodeGraphs if inductor_graphs else graphs.DecodeGraphs
         return cls(decode_fn, self.caches, buckets, plans, max_pages, self.device, progress)
 
-    def _graph_method(self, seq_lens: list[int]):
-        """The forward method of a graph-captured decode step, chosen on the host (lesson 7)."""
-        if len(self.graphs.methods) == 1:
-            return self.graphs.methods[0]
-        dense = max(seq_lens) <= self.dsa_dense_max_kv_len
-        plan = BatchPlan(BatchKind.DECODE, 1, True, dsa_dense=dense)
-        return choose_forward_method(self.model.backend.capabilities, plan)
-
     def _replay(self, plan: list[tuple[Request, list[int]]]) -> torch.Tensor:
         """A one-token decode step through the CUDA graphs: logits [n, V]."""
         ps = self.page_size
@@ -124,4 +118,11 @@ class ModelRunner:
             slots.append(r.pages[pos // ps] * ps + pos % ps)
             pages.append(r.pages)
             seq_lens.append(pos + 1)
-        return self.graphs.run(self._graph_method(seq_lens), tokens, positions, slots, pages, seq_lens)
+        # the plan is made on the host before the replay (DESIGN.md lesson 7), by the same
+        # function that picks an uncaptured step's method
+        n = len(plan)
+        _, method = plan_step(
+            self.model.backend.capabilities, [1] * n, positions, [True] * n, dsa=self.model.config.uses_dsa,
+            dsa_dense_max_kv_len=self.dsa_dense_max_kv_len, graphed=True,
+        )
+        return self.graphs.run(method, tokens, positions, slots, pages, seq_lens)

@@ -20,8 +20,6 @@ from ..ops.backends import Backend
 from .batch import Batch, ForwardMethod
 from .config import DeepseekConfig
 
-mlagraph = torch.ops.mlagraph
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -87,7 +85,7 @@ class Indexer(nn.Module):
         self, x: torch.Tensor, batch: Batch, cos_sin: torch.Tensor, k_cache: torch.Tensor, layout: str
     ) -> None:
         """Only the indexer-key cache write (dense DSA steps): later sparse steps read these
-        keys, so a dense step must still write them (DESIGN.md lesson 8)."""
+        keys, so a dense step must still write them (docs/design.md rule 8)."""
         self._cache_write(self._keys(x, batch.positions, cos_sin), k_cache, batch.slot_mapping, layout)
 
     def select(
@@ -146,6 +144,10 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(L, H * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, cfg.hidden_size, bias=bias)
         self.indexer = Indexer(cfg, backend) if cfg.uses_dsa else None
+        # Every op from the backend (lesson 1): an eager step, and any layer a pass leaves
+        # unfused, runs the backend's own RoPE and cache write; the passes match these names.
+        self._rope = backend.op("rope")
+        self._cache_write = backend.op("latent_cache_write")
         self._decode = backend.op("mla_decode")
         self._prefill = backend.op("mha_prefill")
         self._sparse = backend.op("sparse_mla")
@@ -225,9 +227,9 @@ class MLAttention(nn.Module):
             q_nope = torch.einsum("thd,hdl->thl", q_nope, w_uk)
 
         # The backend-neutral front: RoPE -> concat -> cache write.
-        q_rot, k_rot = mlagraph.rope(q_pe, k_pe[:, None, :], batch.positions, cos_sin, self.interleaved)
+        q_rot, k_rot = self._rope(q_pe, k_pe[:, None, :], batch.positions, cos_sin, self.interleaved)
         q = torch.cat([q_nope, q_rot], dim=-1)  # [T, H, Dn+R] (MHA) or [T, H, L+R] (latent)
-        mlagraph.latent_cache_write(kv_c, k_rot[:, 0], kv_cache, batch.slot_mapping, caches.scale, caches.layout)
+        self._cache_write(kv_c, k_rot[:, 0], kv_cache, batch.slot_mapping, caches.scale, caches.layout)
         if self.indexer is not None and method is not ForwardMethod.SPARSE:
             # DSA model, dense (or split) plan: keys are cached for every token, scored for none
             # (the split method scores its sparse requests' tokens below)

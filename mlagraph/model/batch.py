@@ -10,7 +10,7 @@ once per batch and without reading any device tensor:
   of (backend capabilities, plan), pinned by a hermetic test over the whole matrix;
 - :func:`build_batch` materialises the device tensors (:class:`Batch`) the ops read.
 
-Nothing here reads an environment variable or a platform flag (DESIGN.md, lesson 1).
+Nothing here reads an environment variable or a platform flag (docs/design.md rule 1).
 """
 
 from __future__ import annotations
@@ -67,6 +67,13 @@ class NoForwardMethod(ValueError):
     """The backend's capabilities offer no way to run this batch."""
 
 
+def fits_dense(kv_len: int, dsa_dense_max_kv_len: int) -> bool:
+    """The DSA rule, in its one home: a request whose kv length (cached + new tokens) is at most
+    the dense limit runs dense attention (exact when the limit is index_topk: its top-k would
+    keep every key)."""
+    return kv_len <= dsa_dense_max_kv_len
+
+
 def plan_batch(
     q_lens: Sequence[int], prefix_lens: Sequence[int], is_decode: Sequence[bool], *, dsa: bool,
     dsa_dense_max_kv_len: int = 0,
@@ -74,7 +81,7 @@ def plan_batch(
     """Classifies one batch from CPU metadata: per request, new tokens, cached tokens, decoding?
 
     For DSA models, ``dsa_dense_max_kv_len`` (the engine passes index_topk unless told
-    otherwise) makes the batch dense when no request's kv length exceeds it, and split when
+    otherwise) makes the batch dense when every request :func:`fits_dense`, and split when
     only some do: short requests dense, long ones sparse.
     """
     if not (len(q_lens) == len(prefix_lens) == len(is_decode)) or not q_lens:
@@ -88,8 +95,9 @@ def plan_batch(
     if q_min < 1:
         raise ValueError(f"plan_batch: q_lens: expected every request to bring >= 1 token, got {list(q_lens)}")
     kv_lens = list(map(operator.add, prefix_lens, q_lens))
-    dense = dsa and max(kv_lens) <= dsa_dense_max_kv_len
-    split = dsa and not dense and min(kv_lens) <= dsa_dense_max_kv_len
+    # every request fits (the longest does) / some do (the shortest does)
+    dense = dsa and fits_dense(max(kv_lens), dsa_dense_max_kv_len)
+    split = dsa and not dense and fits_dense(min(kv_lens), dsa_dense_max_kv_len)
     if all(is_decode):
         if q_min != q_max or q_max > MAX_DECODE_Q_LEN:
             raise ValueError(
@@ -103,6 +111,29 @@ def plan_batch(
     if max(prefix_lens) > 0:
         return BatchPlan(BatchKind.CHUNKED_PREFILL, 0, dsa, dense, split)
     return BatchPlan(BatchKind.PREFILL, 0, dsa, dense, split)
+
+
+def for_decode_graph(plan: BatchPlan) -> BatchPlan:
+    """The plan a CUDA-graph-captured decode step runs instead of ``plan``: a DSA batch with
+    short and long requests runs sparse (exact for the short ones too), since the split
+    method's group sizes are not static."""
+    return dataclasses.replace(plan, dsa_split=False) if plan.dsa_split else plan
+
+
+def plan_step(
+    caps: Capabilities, q_lens: Sequence[int], prefix_lens: Sequence[int], is_decode: Sequence[bool], *,
+    dsa: bool, dsa_dense_max_kv_len: int = 0, graphed: bool = False,
+) -> tuple[BatchPlan, ForwardMethod]:
+    """The one decision of a step's code path: its plan and forward method.
+
+    :func:`build_batch`, the engine's CUDA-graph decode and the capture of those graphs
+    (:func:`mlagraph.engine.cuda_graphs.decode_plans`) all decide through here. ``graphed``: the
+    step replays a captured decode graph (:func:`for_decode_graph`).
+    """
+    plan = plan_batch(q_lens, prefix_lens, is_decode, dsa=dsa, dsa_dense_max_kv_len=dsa_dense_max_kv_len)
+    if graphed:
+        plan = for_decode_graph(plan)
+    return plan, choose_forward_method(caps, plan)
 
 
 def choose_forward_method(caps: Capabilities, plan: BatchPlan) -> ForwardMethod:
@@ -138,6 +169,13 @@ def choose_forward_method(caps: Capabilities, plan: BatchPlan) -> ForwardMethod:
     raise NoForwardMethod(f"backend has no MHA over a cached prefix, which {plan.kind.value} batches need")
 
 
+# A padding request (batches padded to ``min_reqs`` requests, CUDA-graph buckets): its q_len
+# tokens are PAD_TOKEN at positions 0.. over no cached prefix, on no pages, written nowhere
+# (slot PAD_SLOT); so its kv length is its q_len and attention reads only its own new keys.
+PAD_TOKEN = 0
+PAD_SLOT = -1
+
+
 @dataclasses.dataclass
 class DsaSplit:
     """Sub-batch metadata of a DSA_SPLIT batch (Td dense tokens of Bd requests, Ts sparse).
@@ -169,9 +207,10 @@ class Batch:
         seq_lens: [B] int32, cached + new tokens of each request after this step.
         cu_seqlens_q: [B+1] int32 new tokens.  cu_seqlens_k: [B+1] int32 seq_lens.
         logits_indices: [N] int64 rows of the hidden states to turn into logits.
-        single_request: (host) the step is one request's prefill with no cached prefix and no
-            padding, so its queries and keys are the same T tokens; set only for a backend with
-            ``dense_prefill_sdpa``, which then runs a dense (non-ragged) kernel for it.
+        single_request: (host) the step is one request's prefill with no cached prefix, left
+            unpadded for a backend with ``dense_prefill_sdpa`` (whose prefill sees from the
+            shapes alone that queries and keys are the same T tokens of one request and runs a
+            dense kernel). A graph variant of its own: a 1-request batch is special to dynamo.
     """
 
     plan: BatchPlan
@@ -188,6 +227,12 @@ class Batch:
     logits_indices: torch.Tensor
     split: DsaSplit | None = None  # DSA_SPLIT batches only
     single_request: bool = False
+
+    @property
+    def variant(self) -> tuple[BatchPlan, ForwardMethod, bool]:
+        """The host facts that select the step's code path (so its compiled graph): sizes vary
+        within a variant, nothing else does."""
+        return self.plan, self.method, self.single_request
 
     @property
     def num_tokens(self) -> int:
@@ -226,9 +271,14 @@ def build_batch(
     """
     n = len(token_ids)
     is_decode = list(is_decode) if is_decode is not None else [False] * n
+    # The plan comes from the real requests: padding never changes it (a padding request is
+    # short enough for dense DSA, and must not turn an all-sparse batch into a split one).
+    plan, method = plan_step(caps, [len(t) for t in token_ids], prefix_lens, is_decode, dsa=dsa,
+                             dsa_dense_max_kv_len=dsa_dense_max_kv_len)
     # Padding requests to add: enough for min_reqs in all, and in a DSA split batch for
-    # min_reqs in each of its dense and sparse groups (each group's size is a graph dimension).
-    fits = [dsa and p + len(t) <= dsa_dense_max_kv_len for p, t in zip(prefix_lens, token_ids)]
+    # min_reqs in each of its dense and sparse groups (each group's size is a graph dimension);
+    # otherwise padding runs with the one group there is.
+    fits = [dsa and fits_dense(p + len(t), dsa_dense_max_kv_len) for p, t in zip(prefix_lens, token_ids)]
     n_dense = sum(fits)
     mixed = 0 < n_dense < n
     pad_dense = max(0, min_reqs - n_dense) if mixed else max(0, min_reqs - n)
@@ -240,15 +290,13 @@ def build_batch(
     n_pad = 0 if single else pad_dense + pad_sparse
     if n_pad:
         pad_len = len(token_ids[0]) if n and all(is_decode) else 1
-        token_ids = list(token_ids) + [[0] * pad_len] * n_pad
+        token_ids = list(token_ids) + [[PAD_TOKEN] * pad_len] * n_pad
         prefix_lens = list(prefix_lens) + [0] * n_pad
         pages = list(pages) + [[]] * n_pad
         is_decode = is_decode + [all(is_decode)] * n_pad
     # per request, dense in a split batch; padding runs with the group it pads
-    dense = fits + [True] * pad_dense + [False] * pad_sparse
+    dense = fits + ([True] * pad_dense + [False] * pad_sparse if mixed else [n_dense == n] * n_pad)
     q_lens = [len(t) for t in token_ids]
-    plan = plan_batch(q_lens, prefix_lens, is_decode, dsa=dsa, dsa_dense_max_kv_len=dsa_dense_max_kv_len)
-    method = choose_forward_method(caps, plan)
 
     input_ids, positions, slots, req_ids, seq_lens = [], [], [], [], []
     for b, (toks, prefix, pg) in enumerate(zip(token_ids, prefix_lens, pages)):
@@ -259,7 +307,7 @@ def build_batch(
         input_ids += list(toks)
         positions += range(prefix, total)
         if padding:
-            slots += [-1] * len(toks)
+            slots += [PAD_SLOT] * len(toks)
         else:
             slots += [pg[p // page_size] * page_size + p % page_size for p in range(prefix, total)]
         req_ids += [b] * len(toks)

@@ -17,18 +17,18 @@ from .graph_utils import (
     _AF_V1,
     _AF_V2,
     forward_through_views,
+    is_any_op,
     is_auto_functionalized,
     is_op,
     layer_of,
     mutated_base,
+    names_of,
     op_arg,
     output_index,
     output_user,
     stable_topological_sort,
 )
 
-ROPE = "mlagraph::rope"
-WRITE = "mlagraph::latent_cache_write"
 SPLIT_Q_CONSUMERS = ("mla_decode", "sparse_mla")  # generic ops that read q_nope and q_pe apart
 
 
@@ -45,7 +45,7 @@ def _count(counts: dict, layer) -> None:
 def fuse_rope_concat_cache(graph: fx.Graph, backend: Backend) -> dict[int | None, int]:
     """rope -> cat(q_nope, q_rot) -> latent_cache_write  ==>  the backend's fused op.
 
-    Matches, per layer, a ``mlagraph.rope`` whose K output is written by ``latent_cache_write``
+    Matches, per layer, the backend's ``rope`` whose K output is written by its ``latent_cache_write``
     and whose Q output is concatenated after a ``q_nope``. The fused op takes the unrotated
     inputs, rotates (it applies RoPE itself, as its capability table says), writes the cache
     and returns q; the rotated K output is wired to the old K users when the backend's fused
@@ -57,11 +57,12 @@ def fuse_rope_concat_cache(graph: fx.Graph, backend: Backend) -> dict[int | None
     if not caps.fused_rope_cache:
         return counts
     fused = backend.op("fused_rope_concat_cache_write").default
+    ropes, writes = names_of(backend, "rope"), names_of(backend, "latent_cache_write")
     for write in list(graph.nodes):
-        if not (is_auto_functionalized(write) and is_op(write, WRITE)):
+        if not (is_auto_functionalized(write) and is_any_op(write, writes)):
             continue
         rope, k_out = output_index(write.kwargs["k_pe"])
-        if not (is_op(rope, ROPE) and k_out == 1):
+        if not (is_any_op(rope, ropes) and k_out == 1):
             continue
         q_rot, k_rot = output_user(rope, 0), output_user(rope, 1)
         if needs_missing_k(write, backend):
@@ -129,7 +130,7 @@ def needs_missing_k(write: fx.Node, backend: Backend) -> bool:
     if backend.capabilities.fused_returns_k:
         return False
     rope, k_out = output_index(op_arg(write, "k_pe"))
-    if not (is_op(rope, ROPE) and k_out == 1):
+    if not (is_any_op(rope, names_of(backend, "rope")) and k_out == 1):
         return False
     k_rot = output_user(rope, 1)
     return k_rot is not None and any(u is not write for u in forward_through_views(k_rot))

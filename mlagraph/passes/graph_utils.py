@@ -54,6 +54,17 @@ def is_op(node: fx.Node, qualified: str) -> bool:
     return op_name(node) == qualified
 
 
+def names_of(backend, *generics: str) -> frozenset[str]:
+    """Qualified names these generic ops can have in a graph of ``backend``: the backend's own
+    (a triton graph holds mlagraph_triton::rope, an aiter graph mlagraph_aiter::mla_decode) and
+    the generic reference ones (code that calls torch.ops.mlagraph.* directly)."""
+    return frozenset({f"mlagraph::{g}" for g in generics} | {backend.op_names[g] for g in generics})
+
+
+def is_any_op(node: fx.Node, qualified: frozenset[str]) -> bool:
+    return op_name(node) in qualified
+
+
 def is_view(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False

@@ -1,4 +1,4 @@
-"""Graph lints: prove, per layer, what the field got wrong (DESIGN.md lessons 1, 2 and 6).
+"""Graph lints: prove, per layer, what the field got wrong (docs/design.md, rules 1, 2 and 6).
 
 - ``lint_rope_once``: the main MLA q_pe and k_pe are rotated exactly once per layer (not
   skipped, not twice: a rotation never feeds another rotation).
@@ -18,11 +18,10 @@ import torch.fx as fx
 from ..ops import backends as backend_registry
 from ..ops.backends import Backend
 from .graph_utils import (
-    forward_through_views, is_auto_functionalized, layer_of, mutated_base, op_arg, op_name, output_user, tensor_root,
-    view_root,
+    forward_through_views, is_auto_functionalized, layer_of, mutated_base, names_of, op_arg, op_name, output_user,
+    tensor_root, view_root,
 )
 
-WRITE = "mlagraph::latent_cache_write"
 ATTENTION = ("mla_decode", "mha_prefill", "sparse_mla")
 _LATENT_ATTENTION = ("mla_decode", "sparse_mla")  # read q_pe and the latent cache
 # ops that read the latent cache (argument kv_cache)
@@ -39,21 +38,15 @@ def _where(node: fx.Node) -> str:
 
 
 def _rotations(backend: Backend) -> set[str]:
-    """Ops that apply RoPE: the generic rope op, and the backend's fused op when it rotates."""
-    names = {"mlagraph::rope"}
+    """Ops that apply RoPE: the rope op, and the backend's fused op when it rotates."""
+    names = set(names_of(backend, "rope"))
     if backend.capabilities.fused_applies_rope:
         names.add(backend.op_names["fused_rope_concat_cache_write"])
     return names
 
 
-def _ops(backend: Backend, generics) -> set[str]:
-    """Qualified names of these generic ops: the generic ones and the backend's own (an aiter
-    graph holds mlagraph_aiter::mla_decode, a triton graph mlagraph_triton::mla_decode)."""
-    return {f"mlagraph::{g}" for g in generics} | {backend.op_names[g] for g in generics}
-
-
 def _cache_writers(backend: Backend) -> set[str]:
-    names = {WRITE}
+    names = set(names_of(backend, "latent_cache_write"))
     if backend.capabilities.fused_writes_cache:
         names.add(backend.op_names["fused_rope_concat_cache_write"])
     return names
@@ -96,7 +89,7 @@ def _reaches_latent_attention(node: fx.Node, writers: set[str], attention: set[s
 
 def lint_rope_once(graph: fx.Graph, backend: Backend) -> None:
     rotations, writers = _rotations(backend), _cache_writers(backend)
-    attention, latent_attention = _ops(backend, ATTENTION), _ops(backend, _LATENT_ATTENTION)
+    attention, latent_attention = names_of(backend, *ATTENTION), names_of(backend, *_LATENT_ATTENTION)
     per_layer: dict[int | None, list[fx.Node]] = {}
     for node in graph.nodes:
         if op_name(node) not in rotations:
@@ -108,8 +101,9 @@ def lint_rope_once(graph: fx.Graph, backend: Backend) -> None:
             raise LintError(f"lint_rope_once: RoPE applied twice in {_where(node)}: its input is already rotated")
         if is_auto_functionalized(node) or _reaches_latent_attention(node, writers, attention):
             per_layer.setdefault(layer_of(node), []).append(node)
+    plain_writes = names_of(backend, "latent_cache_write")
     for writer in graph.nodes:
-        if op_name(writer) != WRITE:
+        if op_name(writer) not in plain_writes:
             continue
         if not _derives_from_rotation(op_arg(writer, "k_pe"), rotations):
             raise LintError(f"lint_rope_once: RoPE skipped in {_where(writer)}: the cached k_pe is not rotated")
@@ -124,7 +118,7 @@ def lint_rope_once(graph: fx.Graph, backend: Backend) -> None:
 
 
 def lint_write_once(graph: fx.Graph, backend: Backend) -> None:
-    writers, readers = _cache_writers(backend), _ops(backend, _CACHE_READERS)
+    writers, readers = _cache_writers(backend), names_of(backend, *_CACHE_READERS)
     per_cache: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
         if op_name(node) in writers:

@@ -2,7 +2,7 @@
 
 Its ``uuid()`` hashes the pass sources, the backend's name and capability table, and every
 setting the passes read, so Inductor's FX graph cache can never hand one backend's compiled
-graph to another (the seed bug of DESIGN.md lesson 1 in cache form).
+graph to another (the seed bug of docs/design.md rule 1 in cache form).
 
 Every run appends a :class:`CompileReport` to a process-wide list: ``reports()`` returns the
 records of all compiles (newest last), ``last_report()`` those of the newest one. A requested
@@ -23,6 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..ops.backends import Backend
 from . import fusion, lints
+from .graph_utils import is_any_op, names_of
 from .render import render
 
 PASSES = {
@@ -122,9 +123,8 @@ class MLAPassManager(CustomGraphPass):
         (a latent cache write), unless the only writes are ones the backend's fused op cannot
         serve because their K is read elsewhere and it returns none (aiter's MHA prefill)."""
         caps = self.backend.capabilities
-        has_write = any(
-            fusion.is_op(n, fusion.WRITE) and not fusion.needs_missing_k(n, self.backend) for n in graph.nodes
-        )
+        writes = names_of(self.backend, "latent_cache_write")
+        has_write = any(is_any_op(n, writes) and not fusion.needs_missing_k(n, self.backend) for n in graph.nodes)
         if pass_name == "fuse_rope_concat_cache":
             return caps.fused_rope_cache and has_write
         return False  # eliminate_concat applies only to decode graphs; absence is not an error

@@ -245,9 +245,9 @@ v5 = mlagraph_triton.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in14', topk_indice
         self.assertExpectedInline(after, """\
 inputs: 27 tensors
 # layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=True)
+v0 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=True)
 v1 = aten.cat([_, v0.0], -1)
-mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16')
+mlagraph_triton.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16')
 v2 = aten.cat([_, v0.1~], -1)
 v3 = mlagraph_triton.mha_prefill(q=v1, k=v2, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)""")
 

@@ -11,16 +11,25 @@ import os
 import expecttest
 import pytest
 
+import random
+
+from mlagraph.model import DeepseekForCausalLM
 from mlagraph.model.batch import (
+    PAD_SLOT,
     BatchKind,
     BatchPlan,
     ForwardMethod,
     NoForwardMethod,
     build_batch,
     choose_forward_method,
+    for_decode_graph,
     plan_batch,
+    plan_step,
 )
+from mlagraph.engine.cuda_graphs import StaticDecodeInputs, decode_plans
 from mlagraph.ops import backends
+from tests.compile.fake_backend import registered_backend
+from tests.model.conftest import hf_config
 
 SWITCHES = ("multi_token_decode", "mha_prefill", "mha_over_prefix", "sparse_mla")
 PLANS = [
@@ -82,7 +91,7 @@ caps(multi_tok,mha_prefi,mha_over_,sparse_ml)
 
 
 def test_dispatch_ignores_environment(monkeypatch):
-    """No environment variable can change an answer (DESIGN.md lesson 1)."""
+    """No environment variable can change an answer (docs/design.md rule 1)."""
     before = _render_matrix()
     for var in ("MLAGRAPH_BACKEND", "SGLANG_USE_AITER", "VLLM_ROCM_USE_AITER", "MLAGRAPH_FORCE_SPARSE"):
         monkeypatch.setenv(var, "1")
@@ -180,3 +189,77 @@ def test_no_environment_reads_in_package():
                 if "os.environ" in text or "os.getenv" in text:
                     offenders.append(f)
     assert offenders == []
+
+
+def test_padding_never_changes_the_plan():
+    """The plan comes from the real requests. An all-sparse DSA batch padded to 2 requests stays
+    sparse (its padding request is short enough for dense, and joins the sparse group), and a
+    split batch pads each group; padding rows are written nowhere."""
+    caps = backends.get("reference").capabilities
+    sparse = build_batch(caps, [[1] * 20], [0], [[0, 1, 2, 3, 4]], 4, dsa=True, dsa_dense_max_kv_len=12,
+                         min_reqs=2)
+    assert sparse.plan == plan_batch([20], [0], [False], dsa=True, dsa_dense_max_kv_len=12)
+    assert sparse.method is ForwardMethod.SPARSE and sparse.num_reqs == 2
+    assert sparse.slot_mapping.tolist()[20:] == [PAD_SLOT]
+    split = build_batch(caps, [[1] * 20, [2] * 3], [0, 0], [[0, 1, 2, 3, 4], [5]], 4, dsa=True,
+                        dsa_dense_max_kv_len=12, min_reqs=2)
+    assert split.method is ForwardMethod.DSA_SPLIT and split.num_reqs == 4
+    # rows: the long request 0..19, the short one 20..22, then a dense and a sparse padding row
+    assert split.split.dense_rows.tolist() == [20, 21, 22, 23] and split.split.sparse_rows.tolist() == [*range(20), 24]
+
+
+@pytest.mark.parametrize("backend", ["reference", "aiter"])
+def test_graph_replay_and_capture_decide_alike(backend):
+    """What a graph-captured decode step replays is what was captured: the engine's choice
+    (plan_step with graphed=True) is always one of decode_plans' methods, with the same plan,
+    for random DSA batches (all dense, some, none)."""
+    caps = backends.registered()[[b.name for b in backends.registered()].index(backend)].capabilities
+    captured = decode_plans(caps, dsa=True)
+    assert set(captured) == {ForwardMethod.ABSORBED, ForwardMethod.SPARSE}
+    rnd = random.Random(0)
+    seen = set()
+    for _ in range(200):
+        n = rnd.randint(1, 8)
+        prefix = [rnd.randint(0, 30) for _ in range(n)]
+        plan, method = plan_step(caps, [1] * n, prefix, [True] * n, dsa=True, dsa_dense_max_kv_len=12, graphed=True)
+        assert captured[method] == plan and not plan.dsa_split
+        assert plan == for_decode_graph(plan_batch([1] * n, prefix, [True] * n, dsa=True, dsa_dense_max_kv_len=12))
+        seen.add(method)
+    assert seen == set(captured)
+
+
+def test_static_decode_padding_is_build_batch_padding():
+    """The CUDA-graph buffers pad a bucket exactly as build_batch pads a batch."""
+    caps = backends.get("reference").capabilities
+    static = StaticDecodeInputs(4, 3, "cpu")
+    static.fill([7, 8], [4, 1], [12, 13], [[2, 3], [3]], [5, 2], bucket=4)
+    got = static.batch(4, ForwardMethod.ABSORBED, BatchPlan(BatchKind.DECODE, 1, False))
+    want = build_batch(caps, [[7], [8]], [4, 1], [[2, 3], [3]], 4, is_decode=[True, True], min_reqs=4)
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "cu_seqlens_k", "req_ids"):
+        assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+    assert got.block_table[:, :2].tolist() == want.block_table[:, :2].tolist()  # pages; -1 beyond
+    assert (got.block_table[:, 2:] == -1).all() and (want.block_table[:, 2:] == -1).all()
+
+
+def test_inconsistent_fallback_is_refused():
+    """A fallback is declared once: a backend whose op map disagrees with its declaration is
+    refused at registration, naming the op."""
+    ref = backends.get("reference")
+    bad = backends.Backend(  # says rope is triton's, maps the reference rope
+        name="bad_fallback", op_names=dict(ref.op_names),
+        capabilities=dataclasses.replace(ref.capabilities, fallbacks={"rope": "triton"}),
+    )
+    with pytest.raises(ValueError, match="fallbacks: 'rope' is declared to run backend 'triton'"):
+        backends.register(bad)
+    assert "bad_fallback" not in backends.names()
+    assert backends.op_names_for("x", ["rope"], {"moe": "reference"}) == {"rope": "x::rope", "moe": "mlagraph::moe"}
+
+
+def test_indexer_layout_outside_the_table_is_refused():
+    """indexer_layouts is enforced: a V3.2 model whose indexer keys a backend cannot hold is
+    refused when it is built, naming kv_cache_dtype."""
+    with registered_backend("bf16_keys_only", indexer_layouts=frozenset({"bf16"})):
+        DeepseekForCausalLM.from_config(hf_config("v32"), backend="bf16_keys_only")  # bf16 keys: fine
+        with pytest.raises(ValueError, match="kv_cache_dtype: backend 'bf16_keys_only' supports indexer-key"):
+            DeepseekForCausalLM.from_config(hf_config("v32"), backend="bf16_keys_only", kv_cache_dtype="fp8")
+        DeepseekForCausalLM.from_config(hf_config("v3"), backend="bf16_keys_only", kv_cache_dtype="fp8")  # no indexer

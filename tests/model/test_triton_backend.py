@@ -9,11 +9,14 @@ backends agree to float32 rounding; transformers is the oracle behind the refere
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mlagraph.model import DeepseekForCausalLM, Engine
+from mlagraph.model.batch import build_batch
 
 from .conftest import VOCAB
 
@@ -79,3 +82,39 @@ def test_single_prompt_prefill_equals_reference_backend(hf_checkpoint, device):
     want = _engine(path, "reference", device).prompt_logprobs(prompts)
     got = _engine(path, "triton", device).prompt_logprobs(prompts)
     torch.testing.assert_close(got[0].cpu(), want[0].cpu(), atol=TOL if device == "cpu" else 1e-2, rtol=0)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the custom ops a step dispatches (namespace::name -> calls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if "::" in name and not name.startswith(("aten::", "prim::")):
+            self.calls[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_eager_step_runs_the_backends_rope_and_cache_write(hf_checkpoint, decode):
+    """An eager triton step runs mlagraph_triton's RoPE and cache write (once per layer), and
+    no reference op but the declared moe fallback (docs/design.md rule 1)."""
+    _, path = hf_checkpoint("v3")
+    model = DeepseekForCausalLM.from_pretrained(path, backend="triton", progress=False)
+    caches = model.allocate_caches(8, 4)
+    caps, layers = model.backend.capabilities, model.config.num_hidden_layers
+    if decode:
+        batch = build_batch(caps, [[1], [2]], [3, 5], [[0], [1, 2]], 4, is_decode=[True, True])
+    else:
+        batch = build_batch(caps, [[1, 2, 3], [4, 5]], [0, 0], [[0], [1]], 4)
+    with _OpCounter() as counter, torch.no_grad():
+        model(batch, caches)
+    calls = counter.calls
+    assert calls["mlagraph_triton::rope"] == layers and calls["mlagraph_triton::latent_cache_write"] == layers
+    attention = "mlagraph_triton::mla_decode" if decode else "mlagraph_triton::mha_prefill"
+    assert calls[attention] == layers
+    reference = {name for name in calls if name.startswith("mlagraph::")}
+    assert reference <= {"mlagraph::moe"}, calls

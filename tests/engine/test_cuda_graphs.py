@@ -1,4 +1,4 @@
-"""Graph-captured decode (Engine(cuda_graphs=True), mlagraph.model.cuda_graphs).
+"""Graph-captured decode (Engine(cuda_graphs=True), mlagraph.engine.cuda_graphs).
 
 On CPU: the static buffers (bucket padding, block-table rows rewritten only where they changed)
 against build_batch, and the engine's graph path with the capture replaced by a direct call of
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from mlagraph.model import DeepseekForCausalLM, Engine, build_batch
-from mlagraph.model import cuda_graphs as graphs
+from mlagraph.engine import cuda_graphs as graphs
 from mlagraph.model.batch import BatchKind, BatchPlan, ForwardMethod
 from mlagraph.ops import backends
 
-from .conftest import VOCAB, hf_config
+from tests.model.conftest import VOCAB, hf_config
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -285,7 +285,7 @@ def test_gpu_prompt_logprobs_with_graphs(hf_checkpoint):
 def test_gpu_bf16_graphs_generate_like_no_graphs(backend):
     """bf16, on the aiter backend too (its decode needs a bf16 cache, and block dims >= 16, hence
     the wider config): graphs change nothing."""
-    from .test_aiter_backend import _wide
+    from tests.model.test_aiter_backend import _wide
 
     prompts = _prompts(12, [6, 13])
     model = DeepseekForCausalLM.from_config(_wide("v3"), backend=backend, device="cuda", dtype=torch.bfloat16,

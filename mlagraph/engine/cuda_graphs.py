@@ -5,14 +5,14 @@ Split the FlashInfer way into what is prepared once and what runs per step:
 - :class:`StaticDecodeInputs` owns the device buffers of a decode batch, sized for the largest
   bucket, and one :class:`~mlagraph.model.batch.Batch` per (bucket, forward method) whose
   tensors are views into them. ``fill`` writes one step's metadata into pinned host mirrors and
-  copies them to the device in two copies; padding rows (up to the bucket) get slot -1, no
-  pages and one fake key, exactly like the padding of :func:`~mlagraph.model.batch.build_batch`.
+  copies them to the device in one copy; padding rows (up to the bucket) are the padding
+  requests of :func:`~mlagraph.model.batch.build_batch` (``PAD_TOKEN``, ``PAD_SLOT``, no pages).
 - :class:`DecodeGraphs` captures ``step_fn(batch, caches)`` for each static batch into a
   ``torch.cuda.CUDAGraph`` (largest bucket first, one memory pool shared by all), and per step
   picks the bucket, fills the buffers and replays.
 
 A batch of n decoding requests (one new token each) runs in the smallest bucket >= n; the plan
-(dense or sparse for DSA models) is made on the host before the replay (DESIGN.md lesson 7), and
+(dense or sparse for DSA models) is made on the host before the replay (docs/design.md rule 7), and
 every plan variant a decode step can take has its own graph. Larger batches, multi-token decode
 and any step with prompt tokens run without graphs.
 """
@@ -24,7 +24,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .batch import Batch, BatchKind, BatchPlan, ForwardMethod, NoForwardMethod, choose_forward_method
+from ..model.batch import (
+    PAD_SLOT, PAD_TOKEN, Batch, BatchKind, BatchPlan, ForwardMethod, NoForwardMethod, choose_forward_method,
+    for_decode_graph,
+)
 
 _BATCH_TENSORS = ("input_ids", "positions", "slot_mapping", "req_ids", "block_table", "seq_lens", "cu_seqlens_q",
                   "cu_seqlens_k", "logits_indices")
@@ -58,14 +61,15 @@ def check_buckets(sizes, max_num_seqs: int, min_size: int) -> list[int]:
 
 
 def decode_plans(caps, dsa: bool) -> dict[ForwardMethod, BatchPlan]:
-    """Every forward method a one-token decode step can take on this backend, with the plan
-    its graphs carry: one, or for DSA models the dense one (every kv length fits index_topk)
-    and the sparse one. A DSA batch with short and long requests runs sparse in a graph
-    (exact for the short ones too) instead of the split method, whose sizes are not static."""
-    candidates = [BatchPlan(BatchKind.DECODE, 1, True, dsa_dense=True), BatchPlan(BatchKind.DECODE, 1, True)] \
-        if dsa else [BatchPlan(BatchKind.DECODE, 1, False)]
+    """Every forward method a graph-captured one-token decode step can take on this backend,
+    with the plan its graphs carry: each case a decode batch can be in (for DSA models every
+    request dense, some, none) through the same :func:`~mlagraph.model.batch.for_decode_graph`
+    and :func:`~mlagraph.model.batch.choose_forward_method` that pick a step's graph, so what is
+    captured is exactly what replays."""
+    cases = [(True, False), (False, True), (False, False)] if dsa else [(False, False)]
     plans: dict[ForwardMethod, BatchPlan] = {}
-    for plan in candidates:
+    for dense, split in cases:
+        plan = for_decode_graph(BatchPlan(BatchKind.DECODE, 1, dsa, dsa_dense=dense, dsa_split=split))
         try:
             plans.setdefault(choose_forward_method(caps, plan), plan)
         except NoForwardMethod:
@@ -143,10 +147,12 @@ class StaticDecodeInputs:
         if not n <= bucket <= self.max_bs:
             raise ValueError(f"StaticDecodeInputs.fill: expected requests <= bucket <= {self.max_bs}, got {n}, {bucket}")
         np64, np32 = self._np64, self._np32
-        np64[0, :n], np64[0, n:bucket] = tokens, 0
+        # rows n.. are padding requests (batch.PAD_TOKEN): one token at position 0, written
+        # nowhere, on no pages, so one key of their own (never read)
+        np64[0, :n], np64[0, n:bucket] = tokens, PAD_TOKEN
         np64[1, :n], np64[1, n:bucket] = positions, 0
-        np64[2, :n], np64[2, n:bucket] = slots, -1
-        np32[:n], np32[n:bucket] = seq_lens, 1  # padding: one key on no page (never read)
+        np64[2, :n], np64[2, n:bucket] = slots, PAD_SLOT
+        np32[:n], np32[n:bucket] = seq_lens, 1
         cu = self._cu_k_at
         np32[cu] = 0
         np32[cu + 1 : cu + bucket + 1] = np32[:bucket].cumsum()  # cu_seqlens_k of the lengths above

@@ -14,7 +14,7 @@ import torch
 
 from mlagraph.model import DeepseekForCausalLM, Engine
 
-from .conftest import VOCAB, hf_config
+from tests.model.conftest import VOCAB, hf_config
 
 MAX_LEN = 48
 
