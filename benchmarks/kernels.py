@@ -581,10 +581,10 @@ def bench_cache(rows, args, g):
 
 def reference_body(module: str, op: str):
     """A reference op's plain-PyTorch body, undecorated, so torch.compile traces into it (the
-    custom op itself is opaque to Inductor). ``_init_fn`` is torch's private name for it."""
-    import importlib
+    custom op itself is opaque to Inductor). ``module`` is kept for the call sites' reading."""
+    from mlagraph.ops._define import op_body
 
-    return getattr(importlib.import_module(f"mlagraph.ops.{module}"), op)._init_fn
+    return op_body(f"mlagraph::{op}")
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import FLOAT_DTYPES, check_choice, check_positive, check_same_dtype, check_tensor, fail
+from ._define import custom_op
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 # moe runs every expert on every token; up to this many (token, expert) rows it does so in two
@@ -141,7 +142,7 @@ def _check_moe(
     )
 
 
-@torch.library.custom_op("mlagraph::moe", mutates_args=())
+@custom_op("mlagraph::moe", mutates_args=())
 def moe(
     hidden: torch.Tensor,
     router_logits: torch.Tensor,
