@@ -117,6 +117,12 @@ class DeepseekForCausalLM(nn.Module):
             )
         # Quantized latent caches get quantized indexer keys too (DeepSeek's 132-byte rows).
         self.index_layout = "bf16" if self.cache_layout == "bf16" else "fp8"
+        if cfg.uses_dsa and self.index_layout not in self.backend.capabilities.indexer_layouts:
+            raise ValueError(
+                f"kv_cache_dtype: backend {backend!r} supports indexer-key layouts "
+                f"{sorted(self.backend.capabilities.indexer_layouts)}, got {kv_cache_dtype!r} "
+                f"(indexer keys in {self.index_layout!r})"
+            )
         self.model = DeepseekModel(cfg, self.backend)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
