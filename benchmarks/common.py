@@ -90,8 +90,12 @@ def moe_layer_args(num_tokens: int, *, dim: int, inter: int, experts: int, top_k
             q[e], s[e] = quantize_blockwise(torch.randn(rows, cols, generator=g, device=device) * cols**-0.5)
         if fp8:
             stacks.append((q, s))
-        else:
-            stacks.append((torch.stack([dequantize_blockwise(q[e], s[e], torch.bfloat16) for e in range(experts)]), None))
+        else:  # filled one expert at a time: no second full-size copy
+            w = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+            for e in range(experts):
+                w[e] = dequantize_blockwise(q[e], s[e], torch.bfloat16)
+            stacks.append((w, None))
+            del q, s
     (gate_up, gu_scale), (down, d_scale) = stacks
     return (hidden, logits, gate_up, down, bias, top_k, "sigmoid", "noaux_tc", n_group, topk_group, True, 2.5,
             gu_scale, d_scale)

@@ -408,3 +408,42 @@ def test_moe_cuda_graph_capture():
     args[1].copy_(torch.randn_like(args[1]))
     graph.replay()
     torch.testing.assert_close(out, moe_op(*args), rtol=1e-5, atol=1e-5)
+
+
+def _cuda(args):
+    return tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+@pytest.mark.gpu
+def test_grouped_mm_runs_on_cuda_bf16():
+    """The H200 runs F.grouped_mm for bfloat16 (ANCHORS.md), so the model's moe is the grouped
+    path there, not the all-experts fallback."""
+    assert moe_module._grouped_mm_runs("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("num_tokens", [1, 256, 2048])
+def test_grouped_moe_matches_oracle_at_v3_dims(num_tokens, fp8):
+    """DeepSeek-V3's MoE layer: 256 experts of [2*2048, 7168], top-8 of 8 groups (4 kept)."""
+    from benchmarks.common import V3_MOE, moe_layer_args
+
+    args = moe_layer_args(num_tokens, device="cuda", fp8=fp8, **V3_MOE)
+    out = moe_op(*args)
+    want = moe_all_experts(*args).float()
+    rel = (out.float() - want).norm() / want.norm()
+    assert out.dtype == torch.bfloat16 and rel < 1e-2, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_grouped_moe_cuda_graph_capture(fp8):
+    """bf16 (the grouped path) and fp8 experts capture and replay on new tokens and routes."""
+    args = _cuda(random_moe_args(16, E, FP8_D, FP8_I, ROUTINGS[3], torch.bfloat16, fp8=fp8))
+    graph, out = capture_cuda_graph(lambda: moe_op(*args))
+    args[0].copy_(torch.randn_like(args[0]))
+    args[1].copy_(torch.randn_like(args[1]))
+    graph.replay()
+    torch.testing.assert_close(out, moe_op(*args), rtol=0, atol=0)
+    want = moe_all_experts(*args).float()
+    assert ((out.float() - want).norm() / want.norm()) < 1e-2
