@@ -193,16 +193,16 @@ def _per_group_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> tor
     return out
 
 
-def _grouped_experts(hidden, weights, ids, gate_up_proj, down_proj, mm=F.grouped_mm) -> torch.Tensor:
-    """hidden [T, D], weights/ids [T, k], experts [E, 2I, D] / [E, D, I] in hidden's dtype -> [T, D];
-    ``mm(x [rows, K], w_t [E, K, N], offs=[E] int32 group ends)``: F.grouped_mm or its stand-in.
+def _grouped_experts(hidden, weights, ids, num_experts, gate_up_mm, down_mm) -> torch.Tensor:
+    """hidden [T, D], weights/ids [T, k] -> [T, D]; ``gate_up_mm(x [rows, D], offs) -> [rows, 2I]``
+    and ``down_mm(x [rows, I], offs) -> [rows, D]``: the grouped GEMMs, offs [E] int32 group ends.
 
     Rows are (token, slot) pairs sorted by expert: T*k rows, every one routed, so no padding
     and nothing data-dependent in any shape. An expert with no rows is an empty group; the
     grouped GEMM never reads its weights.
     """
     num_tokens, top_k = ids.shape
-    num_experts, dim = gate_up_proj.shape[0], hidden.shape[1]
+    dim = hidden.shape[1]
     flat = ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat, stable=True)  # sorted row -> (token, slot) index
     # Histogram without bincount (whose output length depends on the data).
@@ -210,11 +210,36 @@ def _grouped_experts(hidden, weights, ids, gate_up_proj, down_proj, mm=F.grouped
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)  # group ends, [E]
     x = hidden.index_select(0, order // top_k)  # [T*k, D]
-    gate, up = mm(x, gate_up_proj.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)  # [T*k, I] each
-    y = mm((F.silu(gate) * up).to(hidden.dtype), down_proj.transpose(1, 2), offs=offs).float()  # [T*k, D]
+    gate, up = gate_up_mm(x, offs).float().chunk(2, dim=-1)  # [T*k, I] each
+    y = down_mm((F.silu(gate) * up).to(hidden.dtype), offs).float()  # [T*k, D]
     # Back to (token, slot) order, then a float32 sum over each token's k experts (no atomics).
     y = torch.empty_like(y).index_copy_(0, order, y).view(num_tokens, top_k, dim)
     return (y * weights[..., None]).sum(1).to(hidden.dtype)
+
+
+def _grouped_gemms(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale):
+    """The two grouped GEMMs for these experts on this device, as ``fn(x, offs)``; None where
+    there are none (then the all-experts path runs)."""
+    if gate_up_scale is not None and _fp8_kernel_runs(hidden):
+        from .triton.grouped_fp8 import grouped_fp8_mm  # Triton is imported only where it runs
+
+        return (lambda x, offs: grouped_fp8_mm(x, gate_up_proj, gate_up_scale, offs),
+                lambda x, offs: grouped_fp8_mm(x, down_proj, down_scale, offs))
+    gate_up, down = _expert_weights(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
+    if _grouped_mm_runs(hidden.device.type, hidden.dtype):
+        mm = F.grouped_mm
+    elif hidden.device.type == "cpu":
+        mm = _per_group_mm
+    else:
+        return None
+    return (lambda x, offs: mm(x, gate_up.transpose(1, 2), offs=offs),
+            lambda x, offs: mm(x, down.transpose(1, 2), offs=offs))
+
+
+def _fp8_kernel_runs(hidden: torch.Tensor) -> bool:
+    """fp8 experts on CUDA run the Triton grouped fp8 GEMM, which reads each routed expert's
+    e4m3 weights once; elsewhere they are dequantized per call (plain PyTorch)."""
+    return hidden.device.type == "cuda"
 
 
 def _all_experts(hidden, weights, ids, gate_up_proj, down_proj) -> torch.Tensor:
@@ -303,13 +328,12 @@ def moe(
         router_logits, e_score_correction_bias, top_k, scoring_func, topk_method, n_group, topk_group,
         norm_topk_prob, routed_scaling_factor,
     )
-    gate_up, down = _expert_weights(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
-    if _grouped_mm_runs(hidden.device.type, hidden.dtype):
-        return _grouped_experts(hidden, weights, ids, gate_up, down)
-    if hidden.device.type == "cpu":
-        return _grouped_experts(hidden, weights, ids, gate_up, down, mm=_per_group_mm)
+    gemms = _grouped_gemms(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
+    if gemms is not None:
+        return _grouped_experts(hidden, weights, ids, gate_up_proj.shape[0], *gemms)
     # No grouped GEMM for this device and dtype (CUDA float32, say): the all-experts path,
     # which needs no host sync either, so the op stays capturable.
+    gate_up, down = _expert_weights(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
     return _all_experts(hidden, weights, ids, gate_up, down)
 
 

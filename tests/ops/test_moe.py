@@ -332,7 +332,7 @@ def test_grouped_moe_work_is_proportional_to_routed_rows(num_experts):
     num_tokens, top_k = 4, routing[5]
     args = random_moe_args(num_tokens, num_experts, HIDDEN, INTER, routing)
     with _MatmulFlops() as grouped:
-        moe_module._grouped_experts(args[0], *route(args[1], *args[4:12]), args[2], args[3])
+        moe_module.moe._init_fn(*args)  # the op's body, so the mode sees the aten calls inside
     assert grouped.flops == 2 * num_tokens * top_k * (HIDDEN * 2 * INTER + INTER * HIDDEN)
     with _MatmulFlops() as oracle:
         moe_all_experts(*args)

@@ -1,0 +1,109 @@
+"""A grouped GEMM over fp8 block-scaled expert weights: what ``mlagraph::moe`` runs on CUDA
+for fp8 experts, so each routed expert's e4m3 weights are read once, as e4m3.
+
+    out[r, n] = sum_k x[r, k] * W[e(r), n, k] * scale[e(r), n // 128, k // 128]
+
+x [R, K] holds the rows sorted by expert; ``offs`` [E] int32 are the group ends (as for
+``F.grouped_mm``). W [E, N, K] e4m3, scale [E, ceil(N/128), ceil(K/128)] float32.
+
+Schedule (no host sync, no data-dependent shape): M tiles of BLOCK_M rows never straddle two
+experts, so an expert with c rows takes ceil(c / BLOCK_M) tiles and all of them together at most
+cdiv(R, BLOCK_M) + min(E, R): the grid's fixed M extent. :func:`tile_schedule` assigns tiles to
+(expert, first row, row end) with torch ops on the device; the tiles past the last real one see
+expert E and exit. Experts with no rows get no tile, so their weights are never read.
+
+Per tile, along K in steps of 128 (one scale block): load x [BLOCK_M, 128] and the expert's
+W [BLOCK_N, 128] bytes, dequantize W in registers (e4m3 -> float32, times the block scale of
+each column's 128-row block, rounded to x's dtype: the same numbers the reference's per-call
+dequantization makes), and accumulate ``x @ W.T`` in float32. Activations stay in x's dtype
+(W8A16): decode is bound by reading the weights, which this reads at 1 byte each; an fp8
+tensor-core variant (activations quantized per 1x128) is the next step for prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from ._fp8 import from_fp8_bits
+from ._launch import check_runnable
+from ._tl import dot as _dot
+
+BLOCK_K = 128  # one fp8 scale block along K
+
+
+@triton.jit
+def _grouped_fp8_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, N, K,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(tile_expert_ptr + pid_m)
+    if e < NUM_EXPERTS:
+        row0 = tl.load(tile_row0_ptr + pid_m)
+        row_end = tl.load(tile_row_end_ptr + pid_m)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok, col_ok = rows < row_end, cols < N
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        s_base = s_ptr + e.to(tl.int64) * stride_se + (cols // 128) * stride_sn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w8 = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
+            scale = tl.load(s_base + k0 // 128, mask=col_ok, other=0.0)  # [BLOCK_N]: one per column's block row
+            w = (from_fp8_bits(w8) * scale[:, None]).to(x.dtype)
+            acc = _dot(x, tl.trans(w), acc, PRECISION, UPCAST)
+        out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def tile_schedule(offs: torch.Tensor, num_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """offs [E] int32 group ends -> per M tile (expert, first row, row end), each [max_tiles]
+    int32 with max_tiles = cdiv(R, block_m) + min(E, R); unused tiles get expert E."""
+    num_experts = offs.shape[0]
+    ends = offs.long()
+    counts = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = tiles.cumsum(0)
+    max_tiles = -(-num_rows // block_m) + min(num_experts, num_rows)
+    pid = torch.arange(max_tiles, device=offs.device)
+    expert = torch.searchsorted(tile_end, pid, right=True)  # the first expert whose tiles end after pid
+    e = expert.clamp(max=num_experts - 1)
+    row0 = ends[e] - counts[e] + (pid - (tile_end[e] - tiles[e])) * block_m
+    return expert.int(), row0.int(), ends[e].int()
+
+
+def grouped_fp8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [R, K] (rows sorted by expert, float32/bfloat16/float16), w [E, N, K] e4m3, scale
+    [E, ceil(N/128), ceil(K/128)] float32, offs [E] int32 group ends (offs[-1] == R) -> [R, N]
+    in x's dtype."""
+    check_runnable("moe", _grouped_fp8_kernel, x, namespace="mlagraph")
+    num_rows, k = x.shape
+    num_experts, n = w.shape[:2]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w8 = w.view(torch.uint8)
+    if w8.stride(2) != 1:
+        w8 = w8.contiguous()
+    interpreted = isinstance(_grouped_fp8_kernel, InterpretedFunction)
+    # decode-sized groups (a few rows per expert) waste less of a small M tile
+    block_m = 16 if interpreted or num_rows <= 4 * num_experts else 64
+    block_n = 32 if interpreted else 128
+    expert, row0, row_end = tile_schedule(offs, num_rows, block_m)
+    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    grid = (expert.shape[0], triton.cdiv(n, block_n))
+    _grouped_fp8_kernel[grid](
+        x, w8, scale, out, expert, row0, row_end, n, k,
+        x.stride(0), w8.stride(0), w8.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
+        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=interpreted,
+    )
+    return out
