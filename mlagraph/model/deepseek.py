@@ -66,10 +66,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, ex = self.cfg, self.experts
+        logits = self.gate(x)  # first: graph inputs keep their order (the golden graphs)
         # fp8 experts (fp8_weights.keep_experts_fp8) carry their 128x128 block scales
         fp8 = ex.gate_up_proj.dtype == torch.float8_e4m3fn
         out = self._moe(
-            x, self.gate(x), ex.gate_up_proj, ex.down_proj, self.gate.e_score_correction_bias,
+            x, logits, ex.gate_up_proj, ex.down_proj, self.gate.e_score_correction_bias,
             c.num_experts_per_tok, c.scoring_func, c.topk_method, c.n_group, c.topk_group, c.norm_topk_prob,
             c.routed_scaling_factor, ex.gate_up_proj_scale_inv if fp8 else None, ex.down_proj_scale_inv if fp8 else None,
         )
