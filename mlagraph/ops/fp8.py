@@ -6,9 +6,14 @@ partial): ``W_real = W_fp8 * scale`` blockwise. Routed experts stack those per e
 [E, N, K] with scales [E, ceil(N/128), ceil(K/128)].
 
 ``fp8_linear`` computes ``x @ W_real.T``. The reference (every device) dequantizes the stored
-weight per call and runs a plain matmul in x's dtype. On CUDA, for bfloat16 ``x`` and 128-aligned
-N and K, it quantizes ``x`` per 1x128 group and runs one block-scaled fp8 GEMM
-(``F.scaled_mm`` with BlockWise1x128 x BlockWise128x128, torch 2.11+), output bfloat16.
+weight per call and runs a plain matmul in x's dtype. On CUDA:
+
+- more than ``W8A16_MAX_ROWS`` rows of bfloat16 ``x`` with 128-aligned N and K (compute-bound
+  sizes): ``x`` quantized per 1x128 group and one block-scaled fp8 GEMM (``F.scaled_mm`` with
+  BlockWise1x128 x BlockWise128x128, torch 2.11+), output bfloat16;
+- otherwise (decode-sized, memory-bound calls, and ragged shapes): the Triton grouped fp8 GEMM
+  of the MoE experts with a single group, which reads each weight once, as e4m3, and keeps
+  ``x`` in its dtype.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite e4m3fn
 LINEAR_DTYPES = (torch.float32, torch.bfloat16)
+# Up to this many rows the CUDA fp8_linear reads the weights (Triton, activations unquantized):
+# scaled_mm was no faster than bf16 at M = 32 on the H200 (ANCHORS.md). To be tuned there.
+W8A16_MAX_ROWS = 64
 
 
 def block_grid(rows, cols) -> tuple:
@@ -99,8 +107,11 @@ def fp8_gemm_applies(x: torch.Tensor, n: int, k: int) -> bool:
 def _fp8_linear_cuda(x, weight, weight_scale_inv):
     _check_fp8_linear(x, weight, weight_scale_inv)
     n, k = weight.shape
-    if not fp8_gemm_applies(x, n, k):
-        return F.linear(x, dequantize_blockwise(weight, weight_scale_inv, x.dtype))
+    if x.shape[0] <= W8A16_MAX_ROWS or not fp8_gemm_applies(x, n, k):
+        from .triton.grouped_fp8 import grouped_fp8_mm  # Triton is imported only where it runs
+
+        offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)  # one group: every row
+        return grouped_fp8_mm(x, weight[None], weight_scale_inv[None], offs)
     scaled_mm, scaling = _blockwise_scaled_mm()
     x8, x_scale = quantize_1x128(x)
     # scaled_mm wants the activation scales [M, K/128] column-major and the weight's

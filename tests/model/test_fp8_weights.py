@@ -187,3 +187,17 @@ def test_fp8_model_on_cuda_matches_the_dequantized_model(fp8_checkpoint):
     print(f"fp8 vs dequantized bf16: max {diff.max():.3f}, mean {diff.mean():.3f}; "
           f"bf16 vs float32: max {(dequantized.cpu() - exact).abs().max():.3f}")
     assert diff.max() < 0.5 and diff.mean() < 0.1
+
+
+def test_fp8_model_compiles_without_graph_breaks(fp8_checkpoint):
+    """The engine's compiled step (fullgraph, mlagraph's passes and lints) takes the fp8 ops."""
+    path, _ = fp8_checkpoint
+    model = _load(path)
+    torch._dynamo.reset()
+    try:
+        engine = Engine(model, max_num_seqs=2, max_model_len=32, page_size=4, compile=True,
+                        compile_backend="mlagraph_eager")
+        got = engine.prompt_logprobs([IDS])[0]
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, _logprobs(model), atol=1e-5, rtol=0)

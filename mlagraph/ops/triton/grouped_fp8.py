@@ -22,6 +22,8 @@ tensor-core variant (activations quantized per 1x128) is the next step for prefi
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -32,6 +34,11 @@ from ._launch import check_runnable
 from ._tl import dot as _dot
 
 BLOCK_K = 128  # one fp8 scale block along K
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @triton.jit
@@ -94,8 +101,9 @@ def grouped_fp8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: 
     interpreted = isinstance(_grouped_fp8_kernel, InterpretedFunction)
     # decode-sized groups (a few rows per expert) waste less of a small M tile
     block_m = 16 if interpreted or num_rows <= 4 * num_experts else 64
-    block_n = 32 if interpreted else 128
     expert, row0, row_end = tile_schedule(offs, num_rows, block_m)
+    # narrower N tiles when 128-wide ones would leave SMs idle (a decode-sized dense linear)
+    block_n = 32 if interpreted else 64 if expert.shape[0] * triton.cdiv(n, 128) < 2 * _sm_count(x.device) else 128
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out

@@ -80,3 +80,15 @@ def test_grouped_fp8_mm_captures_in_a_cuda_graph():
     offs.copy_(counts.roll(1).cumsum(0).int())  # other groups, same rows: replay follows them
     graph.replay()
     torch.testing.assert_close(out, grouped_fp8_mm(x, w, s, offs), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_fp8_linear_cuda_kernel_decode_path_is_the_reference(dtype, tol):
+    """fp8_linear's CUDA kernel at decode sizes runs this GEMM with one group; called here on
+    CPU tensors (the interpreter), it equals the reference op."""
+    from mlagraph.ops.fp8 import W8A16_MAX_ROWS, _fp8_linear_cuda
+
+    q, s = quantize_blockwise(torch.randn(N, K) * K**-0.5)
+    x = torch.randn(W8A16_MAX_ROWS, K).to(dtype)
+    want = torch.ops.mlagraph.fp8_linear(x, q, s).float()
+    torch.testing.assert_close(_fp8_linear_cuda(x, q, s).float(), want, rtol=tol, atol=tol * want.abs().max().item())
