@@ -31,7 +31,9 @@ What:
 
 --smoke: tiny dims (2 layers, hidden 128, 8 experts) on --device cpu in float32, a few
 iterations: CI proves the script runs (tests/test_e2e_model_bench.py); its numbers mean nothing.
-DIR/e2e_model.json holds every row; the tables are printed and written to DIR/e2e_model.md.
+DIR/e2e_model.json holds every row (a run of some --only parts replaces those parts' rows and
+keeps the others', so parts can run in separate calls); the tables are printed and written to
+DIR/e2e_model.md.
 """
 
 from __future__ import annotations
@@ -407,9 +409,16 @@ def main(argv: list[str] | None = None) -> dict:
             "prompts": args.prompts, "batches": args.batches, "context": args.context, "rows": []}
     ckpt = args.ckpt or os.path.join(args.out, "ckpt")
     os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "e2e_model.json")
+    if os.path.exists(path):  # parts run in separate calls build one file: keep the other parts' rows
+        with open(path) as f:
+            old = json.load(f)
+        if old.get("model") == data["model"] and old.get("device") == data["device"]:
+            data["rows"] = [r for r in old["rows"] if r["part"] not in only]
+            data.update({k: old[k] for k in ("check", "ours_load_s", "ours_setup_s") if k in old and "hf" not in only})
 
     def save():
-        with open(os.path.join(args.out, "e2e_model.json"), "w") as f:
+        with open(path, "w") as f:
             json.dump(data, f, indent=1)
 
     ours = None
@@ -420,10 +429,12 @@ def main(argv: list[str] | None = None) -> dict:
         ours = run_ours(args, ckpt, device, dtype, data["rows"], data)
         save()
     if "hf" in only:
+        if ours is None:  # for the check only: eager, no engine of its own
+            ours = DeepseekForCausalLM.from_pretrained(ckpt, backend=args.backend, dtype=dtype, device=device,
+                                                       progress=False)
         hf = load_hf(ckpt, device, dtype)
-        if ours is not None:
-            data["check"] = logprob_check(ours, hf)
-            print(f"check: {data['check']}", flush=True)
+        data["check"] = logprob_check(ours, hf)
+        print(f"check: {data['check']}", flush=True)
         ours = None
         run_hf(args, hf, device, data["rows"])
         del hf

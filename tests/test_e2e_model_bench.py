@@ -35,9 +35,12 @@ def test_smoke_run_writes_every_part(tmp_path):
     assert "| prefill tokens | mlagraph tok/s | transformers tok/s | speedup |" in md
     assert "| 2 | " in md and "| 4 | fp8 |" in md
 
-    # the checkpoint is kept and reused while the config matches
+    # the checkpoint is kept and reused while the config matches; a run of one part keeps the others' rows
     again = bench.main(["--out", str(tmp_path), *SMOKE, "--only", "ours"])
     assert again["checkpoint"] == {"reused": True}
+    merged = json.loads((tmp_path / "e2e_model.json").read_text())
+    assert sorted(r["part"] for r in merged["rows"]) == sorted(r["part"] for r in rows)
+    assert merged["check"] == data["check"]
 
 
 def test_checkpoint_holds_the_model_it_was_written_from(tmp_path):

@@ -4,7 +4,16 @@
 runs one grouped GEMM per projection (``F.grouped_mm``), so its work is proportional to the
 routed rows: static shapes (T*top_k rows, all of them real), no host sync, CUDA-graph
 capturable. :func:`moe_all_experts` is the old all-experts implementation, kept as the oracle.
-Experts may be fp8 (e4m3 with 128x128 block scales, see :mod:`.fp8`).
+
+Experts may be fp8 (e4m3 with 128x128 block scales, see :mod:`.fp8`): on CUDA a Triton grouped
+GEMM (:mod:`.triton.grouped_fp8`) reads each routed expert's e4m3 bytes once; elsewhere the
+weights are dequantized per call (the stored copy stays fp8). Where ``F.grouped_mm`` does not
+run (CPU on an older torch) CPU loops over the groups; CUDA without it (float32) takes the
+all-experts path, which needs no host sync either.
+
+Shared experts stay in the model (an MLP): folding them into this call as an expert every
+token picks would save two GEMM launches per layer, which CUDA graphs already make cheap, and
+would need their weights stacked with the routed ones (or a second weight argument).
 
 :func:`route` reproduces transformers' ``DeepseekV2TopkRouter`` (softmax scores, "greedy" or
 "group_limited_greedy") and ``DeepseekV3TopkRouter`` (sigmoid scores, "noaux_tc") with the same
