@@ -12,7 +12,7 @@ import mlagraph.ops.moe as moe_module
 from mlagraph.ops.fp8 import dequantize_blockwise, quantize_blockwise
 from mlagraph.ops.moe import moe_all_experts
 from mlagraph.ops.triton.grouped_fp8 import grouped_fp8_mm, tile_schedule
-from tests.helpers import capture_cuda_graph
+from tests.helpers import NoHostSync, capture_cuda_graph
 from tests.ops.test_moe import FP8_D, FP8_I, ROUTINGS, random_moe_args
 
 E, N, K = 8, 272, 160  # ragged 128-blocks in both dims
@@ -39,6 +39,14 @@ def test_tile_schedule_covers_every_row_once_within_its_expert(counts, block_m):
         assert starts[e] <= r0 < end == offs[e].item()  # inside its expert's group
         covered += range(r0, min(r0 + block_m, end))
     assert sorted(covered) == list(range(rows))
+
+
+def test_tile_schedule_reads_nothing_on_the_host():
+    """The schedule is device math on the group ends: capturable, the grid fixed by shapes."""
+    offs = torch.tensor(COUNTS).cumsum(0).int()
+    with NoHostSync():
+        expert, _, _ = tile_schedule(offs, 40, 16)
+    assert expert.shape == (3 + 8,)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
