@@ -67,8 +67,9 @@ V2_LITE = dict(  # deepseek-ai/DeepSeek-V2-Lite's config.json
     topk_method="greedy", n_group=1, topk_group=1, num_experts_per_tok=6, moe_layer_freq=1, first_k_dense_replace=1,
     norm_topk_prob=False, max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
     initializer_range=0.02, attention_bias=False, bos_token_id=100000, eos_token_id=100001,
-    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
-                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                     "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707,
+                     "mscale_all_dim": 0.707},
 )
 SMOKE = dict(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, kv_lora_rank=64, qk_rope_head_dim=16,
@@ -198,7 +199,8 @@ def run_ours(args, ckpt: str, device, dtype, rows: list, meta: dict) -> Deepseek
         floor = decode_floor_ms(model, b, args.context)
         rows.append({"part": "ours", "kind": "decode", "batch": b, "context": args.context, "ms": t["ms"],
                      "tok_s": b / t["ms"] * 1e3, "floor_ms": floor, "first_step_s": t["first_step_s"]})
-        print(f"[ours] decode B={b}: {t['ms']:.2f} ms ({b / t['ms'] * 1e3:.0f} tok/s), floor {floor:.2f} ms", flush=True)
+        print(f"[ours] decode B={b}: {t['ms']:.2f} ms ({b / t['ms'] * 1e3:.0f} tok/s), floor {floor:.2f} ms",
+              flush=True)
     del engine
     return model
 
@@ -307,7 +309,8 @@ def run_v3_layer(args, device, rows: list) -> None:
             a = (base[0][:n], base[1][:n], *base[2:])
             nbytes, touched = moe_floor_bytes(a)
             floor = max(nbytes / PEAK_BYTES, n * flops_per_token / PEAK_FLOPS)
-            row = {"part": "v3_layer", "experts": label, "tokens": n, "touched_experts": touched, "floor_ms": floor * 1e3}
+            row = {"part": "v3_layer", "experts": label, "tokens": n, "touched_experts": touched,
+                   "floor_ms": floor * 1e3}
             try:
                 out = torch.ops.mlagraph.moe(*a)
                 if n <= args.check_tokens:  # the oracle runs all 256 experts on every token

@@ -72,7 +72,8 @@ class MoE(nn.Module):
         out = self._moe(
             x, logits, ex.gate_up_proj, ex.down_proj, self.gate.e_score_correction_bias,
             c.num_experts_per_tok, c.scoring_func, c.topk_method, c.n_group, c.topk_group, c.norm_topk_prob,
-            c.routed_scaling_factor, ex.gate_up_proj_scale_inv if fp8 else None, ex.down_proj_scale_inv if fp8 else None,
+            c.routed_scaling_factor,
+            ex.gate_up_proj_scale_inv if fp8 else None, ex.down_proj_scale_inv if fp8 else None,
         )
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

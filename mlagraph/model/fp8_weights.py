@@ -58,7 +58,9 @@ def keeps_fp8(choice: str, hf_config: dict, has_fp8_weights: bool, dtype: torch.
     if choice == "dequantize" or not has_fp8_weights and choice == "auto":
         return False
     if not has_fp8_weights:
-        raise ValueError("from_pretrained: fp8_weights='keep': the checkpoint has no fp8 weights (no *weight_scale_inv)")
+        raise ValueError(
+            "from_pretrained: fp8_weights='keep': the checkpoint has no fp8 weights (no *weight_scale_inv)"
+        )
     qc = hf_config.get("quantization_config")
     if qc is None or qc.get("quant_method") != "fp8":
         if choice == "auto":

@@ -122,7 +122,9 @@ def load_checkpoint(
                         if key not in kept:
                             tensor, scale = dequantize_blockwise(tensor, scale.float(), torch.float32), None
                     elif key in kept:  # its scale said fp8, so its layer was made fp8
-                        misshaped.append(f"{key}: expected dtype float8_e4m3fn (it has a weight_scale_inv), got {tensor.dtype}")
+                        misshaped.append(
+                            f"{key}: expected dtype float8_e4m3fn (it has a weight_scale_inv), got {tensor.dtype}"
+                        )
                         loaded.add(key)
                         continue
                     em = _EXPERT.match(key)
@@ -176,7 +178,8 @@ def _copy_expert(params, prefix, e, which, tensor, scale, key, misshaped, unexpe
     dst = {"gate_proj": gate_up[e, :inter], "up_proj": gate_up[e, inter:], "down_proj": down[e]}[which]
     targets = [(dst, tensor)]
     if scale is not None:  # fp8 experts: inter is a multiple of 128 (keep_experts_fp8 checked)
-        gs, ds, blocks = params[f"{prefix}.gate_up_proj_scale_inv"], params[f"{prefix}.down_proj_scale_inv"], inter // FP8_BLOCK
+        gs, ds = params[f"{prefix}.gate_up_proj_scale_inv"], params[f"{prefix}.down_proj_scale_inv"]
+        blocks = inter // FP8_BLOCK
         targets.append(({"gate_proj": gs[e, :blocks], "up_proj": gs[e, blocks:], "down_proj": ds[e]}[which], scale))
     for d, t in targets:
         if tuple(t.shape) != tuple(d.shape):

@@ -100,7 +100,8 @@ def _blockwise_scaled_mm():
 def fp8_gemm_applies(x: torch.Tensor, n: int, k: int) -> bool:
     """Whether the CUDA fp8 GEMM takes this call: bfloat16 activations, 128-aligned N and K
     (the scale grids then tile exactly), and a torch that has the block-scaled ``scaled_mm``."""
-    return x.dtype == torch.bfloat16 and n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0 and _blockwise_scaled_mm() is not None
+    aligned = n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0
+    return x.dtype == torch.bfloat16 and aligned and _blockwise_scaled_mm() is not None
 
 
 @fp8_linear.register_kernel("cuda")

@@ -82,7 +82,8 @@ def test_fp8_layers_stay_fp8_and_equal_the_checkpoint(fp8_checkpoint):
     assert isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear)
     assert isinstance(layer1.mlp.shared_experts.gate_proj, Fp8Linear)
     assert type(attn.kv_b_proj) is torch.nn.Linear and attn.kv_b_proj.weight.dtype == torch.float32
-    assert layer1.mlp.experts.gate_up_proj.dtype == FP8_DTYPE and layer1.mlp.experts.down_proj_scale_inv.shape == (4, 2, 1)
+    experts = layer1.mlp.experts
+    assert experts.gate_up_proj.dtype == FP8_DTYPE and experts.down_proj_scale_inv.shape == (4, 2, 1)
     sd, disk = model.state_dict(), load_file(path / SINGLE)
     for key in quantized:
         m = re.match(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", key)
@@ -150,13 +151,15 @@ def test_fp8_weights_errors(fp8_checkpoint, hf_checkpoint, tmp_path):
     assert _load(path, dtype=torch.float16, fp8_weights="dequantize").dtype == torch.float16
     blocks = tmp_path / "blocks"
     write_fp8_checkpoint(blocks, quantization_config={**QUANT, "weight_block_size": [64, 64]})
-    with pytest.raises(ValueError, match=r"weight_block_size \[128, 128\].*got fmt 'e4m3', weight_block_size \[64, 64\]"):
+    expected = r"weight_block_size \[128, 128\].*got fmt 'e4m3', weight_block_size \[64, 64\]"
+    with pytest.raises(ValueError, match=expected):
         _load(blocks)
 
 
 def test_fp8_experts_need_whole_blocks_of_gate_rows(tmp_path):
     write_fp8_checkpoint(tmp_path, moe_intermediate_size=64)
-    with pytest.raises(ValueError, match="moe_intermediate_size divisible by 128.*got 64; pass fp8_weights='dequantize'"):
+    expected = "moe_intermediate_size divisible by 128.*got 64; pass fp8_weights='dequantize'"
+    with pytest.raises(ValueError, match=expected):
         _load(tmp_path)
     assert torch.isfinite(_logprobs(_load(tmp_path, fp8_weights="dequantize"))).all()
 
@@ -181,7 +184,8 @@ def test_fp8_model_on_cuda_matches_the_dequantized_model(fp8_checkpoint):
     distance to float32 is printed for scale)."""
     path, _ = fp8_checkpoint
     kw = dict(dtype=torch.bfloat16, device="cuda")
-    kept, dequantized = _logprobs(_load(path, **kw)).float(), _logprobs(_load(path, fp8_weights="dequantize", **kw)).float()
+    kept = _logprobs(_load(path, **kw)).float()
+    dequantized = _logprobs(_load(path, fp8_weights="dequantize", **kw)).float()
     exact = _logprobs(_load(path, fp8_weights="dequantize"))
     diff = (kept.cpu() - dequantized.cpu()).abs()
     print(f"fp8 vs dequantized bf16: max {diff.max():.3f}, mean {diff.mean():.3f}; "

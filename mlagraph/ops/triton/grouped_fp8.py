@@ -62,8 +62,9 @@ def _grouped_fp8_kernel(
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w8 = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
+            x_mask, w_mask = row_ok[:, None] & k_ok[None, :], col_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
+            w8 = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0)
             scale = tl.load(s_base + k0 // 128, mask=col_ok, other=0.0)  # [BLOCK_N]: one per column's block row
             w = (from_fp8_bits(w8) * scale[:, None]).to(x.dtype)
             acc = _dot(x, tl.trans(w), acc, PRECISION, UPCAST)
