@@ -230,10 +230,12 @@ def _grouped_gemms(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale):
     """The two grouped GEMMs for these experts on this device, as ``fn(x, offs)``; None where
     there are none (then the all-experts path runs)."""
     if gate_up_scale is not None and _fp8_kernel_runs(hidden):
-        from .triton.grouped_fp8 import grouped_fp8_mm  # Triton is imported only where it runs
+        from .triton.grouped_fp8 import fp8_activations_pay, grouped_fp8_mm  # imported only where it runs
 
-        return (lambda x, offs: grouped_fp8_mm(x, gate_up_proj, gate_up_scale, offs),
-                lambda x, offs: grouped_fp8_mm(x, down_proj, down_scale, offs))
+        num_experts = gate_up_proj.shape[0]
+        return (lambda x, offs: grouped_fp8_mm(x, gate_up_proj, gate_up_scale, offs,
+                                               fp8_activations_pay(x, num_experts)),
+                lambda x, offs: grouped_fp8_mm(x, down_proj, down_scale, offs, fp8_activations_pay(x, num_experts)))
     gate_up, down = _expert_weights(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
     if _grouped_mm_runs(hidden.device.type, hidden.dtype):
         mm = F.grouped_mm

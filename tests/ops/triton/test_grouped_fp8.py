@@ -100,3 +100,24 @@ def test_fp8_linear_cuda_kernel_decode_path_is_the_reference(dtype, tol):
     x = torch.randn(W8A16_MAX_ROWS, K).to(dtype)
     want = torch.ops.mlagraph.fp8_linear(x, q, s).float()
     torch.testing.assert_close(_fp8_linear_cuda(x, q, s).float(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_quantized_activations_are_the_product_of_the_quantized_operands(device):
+    """W8A8 (prefill): x quantized per 1x128 group, each block an e4m3 x e4m3 product scaled by
+    both scales: the same as dequantized x times dequantized W, and within e4m3's rounding of
+    the W8A16 result."""
+    from mlagraph.ops.fp8 import quantize_1x128
+
+    k = 256  # whole 128-groups
+    w, s = _experts(device, k=k)
+    offs = torch.tensor(COUNTS, device=device).cumsum(0).int()
+    x = torch.randn(int(offs[-1]), k, device=device).bfloat16()
+    got = grouped_fp8_mm(x, w, s, offs, quantize_activations=True).float()
+    x8, xs = quantize_1x128(x)
+    x_deq = (x8.float().view(-1, 2, 128) * xs[..., None]).view(-1, k)
+    deq = dequantize_blockwise(w, s, torch.float32)
+    ends = offs.tolist()
+    want = torch.cat([x_deq[a:b] @ deq[e].T for e, (a, b) in enumerate(zip([0, *ends[:-1]], ends))])
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())  # bf16 output
+    w8a16 = grouped_fp8_mm(x, w, s, offs).float()
+    assert ((got - w8a16).norm() / w8a16.norm()) < 5e-2
