@@ -425,14 +425,16 @@ def test_grouped_mm_runs_on_cuda_bf16():
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("num_tokens", [1, 256, 2048])
 def test_grouped_moe_matches_oracle_at_v3_dims(num_tokens, fp8):
-    """DeepSeek-V3's MoE layer: 256 experts of [2*2048, 7168], top-8 of 8 groups (4 kept)."""
+    """DeepSeek-V3's MoE layer: 256 experts of [2*2048, 7168], top-8 of 8 groups (4 kept).
+    fp8 at 2048 tokens (64 rows per expert) also quantizes the activations per 1x128 group
+    (W8A8), which adds e4m3's rounding of them: 2e-2 there, 1e-2 elsewhere."""
     from benchmarks.common import V3_MOE, moe_layer_args
 
     args = moe_layer_args(num_tokens, device="cuda", fp8=fp8, **V3_MOE)
     out = moe_op(*args)
     want = moe_all_experts(*args).float()
     rel = (out.float() - want).norm() / want.norm()
-    assert out.dtype == torch.bfloat16 and rel < 1e-2, rel
+    assert out.dtype == torch.bfloat16 and rel < (2e-2 if fp8 and num_tokens == 2048 else 1e-2), rel
 
 
 @pytest.mark.gpu
