@@ -121,13 +121,16 @@ def load_checkpoint(
                             raise ValueError(f"from_pretrained: fp8 weight {key!r} has no {scale_key!r} in {path!r}")
                         if key not in kept:
                             tensor, scale = dequantize_blockwise(tensor, scale.float(), torch.float32), None
-                    elif key in kept:  # its scale said fp8, so its layer was made fp8
+                    em = _EXPERT.match(key)
+                    if tensor.dtype != FP8_DTYPE and key in kept:  # its scale said fp8: its layer was made fp8
                         misshaped.append(
                             f"{key}: expected dtype float8_e4m3fn (it has a weight_scale_inv), got {tensor.dtype}"
                         )
-                        loaded.add(key)
+                        if em:  # reported here, not again as a missing expert
+                            experts_seen.setdefault(em.group(1), set()).add((int(em.group(2)), em.group(3)))
+                        else:
+                            loaded.update((key, key + "_scale_inv"))
                         continue
-                    em = _EXPERT.match(key)
                     if em:
                         prefix, e, which = em.group(1), int(em.group(2)), em.group(3)
                         if _copy_expert(params, prefix, e, which, tensor, scale, key, misshaped, unexpected):
