@@ -164,7 +164,9 @@ def test_fp8_experts_need_whole_blocks_of_gate_rows(tmp_path):
     assert torch.isfinite(_logprobs(_load(tmp_path, fp8_weights="dequantize"))).all()
 
 
-@pytest.mark.parametrize("key", ["model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.experts.2.up_proj.weight"])
+@pytest.mark.parametrize(
+    "key", ["model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.experts.2.up_proj.weight"]
+)
 def test_fp8_weight_stored_wide_is_named(fp8_checkpoint, tmp_path, key):
     """A weight whose scale says fp8 but whose tensor is not e4m3 is reported (once), not cast."""
     path, _ = fp8_checkpoint
