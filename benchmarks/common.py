@@ -63,3 +63,52 @@ def write_json(out_dir: str | None, name: str, payload: dict) -> None:
     payload = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, **payload}
     with open(os.path.join(out_dir, name), "w") as f:
         json.dump(payload, f, indent=2)
+
+
+# DeepSeek-V3's MoE layer: 256 routed experts (top-8 of 8 groups, 4 kept), hidden 7168, expert
+# intermediate 2048, sigmoid scores with noaux_tc routing.
+V3_MOE = dict(dim=7168, inter=2048, experts=256, top_k=8, n_group=8, topk_group=4)
+
+
+def moe_layer_args(num_tokens: int, *, dim: int, inter: int, experts: int, top_k: int, n_group: int,
+                   topk_group: int, device, fp8: bool, seed: int = 0) -> tuple:
+    """torch.ops.mlagraph.moe arguments for a V3-style layer with random bf16 activations and
+    experts ~ N(0, 1/fan_in); fp8: e4m3 + 128x128 block scales, quantized one expert at a time
+    (a float32 copy of all 256 experts would not fit). bf16 experts are the dequantized fp8
+    ones, so both variants compute with the same numbers."""
+    from mlagraph.ops.fp8 import dequantize_blockwise, quantize_blockwise
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(num_tokens, dim, generator=g, device=device).bfloat16()
+    logits = torch.randn(num_tokens, experts, generator=g, device=device)
+    bias = torch.rand(experts, generator=g, device=device) * 0.1
+    stacks = []
+    for rows, cols in ((2 * inter, dim), (dim, inter)):
+        q = torch.empty(experts, rows, cols, dtype=torch.float8_e4m3fn, device=device)
+        s = torch.empty(experts, -(-rows // 128), -(-cols // 128), device=device)
+        for e in range(experts):
+            q[e], s[e] = quantize_blockwise(torch.randn(rows, cols, generator=g, device=device) * cols**-0.5)
+        if fp8:
+            stacks.append((q, s))
+        else:  # filled one expert at a time: no second full-size copy
+            w = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+            for e in range(experts):
+                w[e] = dequantize_blockwise(q[e], s[e], torch.bfloat16)
+            stacks.append((w, None))
+            del q, s
+    (gate_up, gu_scale), (down, d_scale) = stacks
+    return (hidden, logits, gate_up, down, bias, top_k, "sigmoid", "noaux_tc", n_group, topk_group, True, 2.5,
+            gu_scale, d_scale)
+
+
+def moe_floor_bytes(args: tuple) -> tuple[int, int]:
+    """(bytes the routed experts' weights take, of the experts this batch touches; number
+    touched): the memory floor of one moe call, plus its activations in and out."""
+    from mlagraph.ops.moe import route
+
+    hidden, logits, gate_up, down = args[:4]
+    _, ids = route(logits, *args[4:12])
+    touched = int(torch.unique(ids).numel())
+    per_expert = sum(t[0].numel() * t.element_size() for t in (gate_up, down))
+    per_expert += sum(s[0].numel() * 4 for s in args[12:] if s is not None)
+    return touched * per_expert + 2 * hidden.numel() * hidden.element_size(), touched

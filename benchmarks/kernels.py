@@ -16,7 +16,9 @@ cannot flatter them). Variants:
 - ``eager`` / ``inductor``: the reference op's plain PyTorch, eager and under torch.compile;
 - ``aiter``: AMD aiter's Triton kernel as a peer, fed directly (the amd-aiter wheel; see
   benchmarks/aiter_peers.py);
-- ``sdpa-cudnn`` / ``sdpa-flash`` / ``sdpa-efficient``: torch SDPA backends (dense prefill).
+- ``sdpa-cudnn`` / ``sdpa-flash`` / ``sdpa-efficient``: torch SDPA backends (dense prefill);
+- ``grouped`` / ``grouped-fp8``: torch.ops.mlagraph.moe (tokens grouped by expert) with bf16 /
+  fp8 experts, next to ``all-experts`` (its oracle, every expert on every token) at V3's MoE dims.
 
 Each row gives the time, the rate (TFLOP/s or TB/s, whichever bounds the workload), for our
 rows (``triton*`` and ``aiter-backend*``) the ratio to the best peer (>1: ours is faster), and
@@ -53,7 +55,7 @@ OURS = torch.ops.mlagraph_triton
 AITER = torch.ops.mlagraph_aiter  # our aiter backend's own ops (the rest of it falls back to OURS)
 REF = torch.ops.mlagraph
 AITER_OK, AITER_WHY = aiter_backend.available()
-OUR_VARIANTS = ("triton", "aiter-backend")  # row variants that are our ops; every other is a peer
+OUR_VARIANTS = ("triton", "aiter-backend", "grouped")  # row variants that are our ops; every other is a peer
 
 
 @dataclasses.dataclass
@@ -579,12 +581,40 @@ def bench_cache(rows, args, g):
             run.run("inductor", r_ind, check, graph_fns=[r_ind])
 
 
+def bench_moe(rows, args, g):
+    """One DeepSeek-V3 MoE layer (256 experts, top-8, hidden 7168, intermediate 2048): decode
+    (T = 1, 128) and prefill (T = 8192); bytes = the experts the batch touches."""
+    from common import V3_MOE, moe_floor_bytes, moe_layer_args
+
+    from mlagraph.ops.moe import moe_all_experts
+
+    tokens = (1, 128, 8192)
+    for fp8 in (False, True):
+        label = "fp8" if fp8 else "bf16"
+        base = moe_layer_args(max(tokens), device="cuda", fp8=fp8, **V3_MOE)
+        for t in tokens:
+            a = (base[0][:t], base[1][:t], *base[2:])
+            nbytes, touched = moe_floor_bytes(a)
+            name = f"moe V3 T={t} {label} ({touched} experts)"
+            print(name, flush=True)
+            want = moe_all_experts(*a)
+            check = lambda out, want=want: rel_err(out, want)  # noqa: E731
+            run = Runner(rows, name, 2 * t * V3_MOE["top_k"] * 3 * V3_MOE["dim"] * V3_MOE["inter"], nbytes, tol=2e-2)
+            ours, oracle = (lambda a=a: REF.moe(*a)), (lambda a=a: moe_all_experts(*a))
+            graphs = {"graph_fns": [ours]} if t <= 128 else {}
+            run.run("grouped-fp8" if fp8 else "grouped", ours, check, **graphs)
+            run.run("all-experts", oracle, check, **({"graph_fns": [oracle]} if t <= 128 else {}))
+            del want
+        del base
+        torch.cuda.empty_cache()
+
+
 def reference_body(module: str, op: str):
     """A reference op's plain-PyTorch body, undecorated, so torch.compile traces into it (the
-    custom op itself is opaque to Inductor). ``_init_fn`` is torch's private name for it."""
-    import importlib
+    custom op itself is opaque to Inductor). ``module`` is kept for the call sites' reading."""
+    from mlagraph.ops._define import op_body
 
-    return getattr(importlib.import_module(f"mlagraph.ops.{module}"), op)._init_fn
+    return op_body(f"mlagraph::{op}")
 
 
 def main() -> None:
@@ -652,7 +682,7 @@ def report(rows: list[Row], out: str | None) -> None:
 
 
 WORKLOADS = {"fused": bench_fused, "decode": bench_decode, "prefill": bench_prefill, "sparse": bench_sparse,
-             "cache": bench_cache, "indexer": bench_indexer}
+             "cache": bench_cache, "indexer": bench_indexer, "moe": bench_moe}
 
 if __name__ == "__main__":
     main()

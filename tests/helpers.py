@@ -11,6 +11,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mlagraph.ops._define import op_bodies
+
 
 def make_block_table(
     seq_lens: Sequence[int], page_size: int, num_pages: int, *, seed: int = 0, pad_pages: int = 1
@@ -92,19 +94,6 @@ _SYNC_OPS = {
 }
 
 
-def _op_bodies() -> dict[str, Callable]:
-    """qualified name -> the Python body of every mlagraph custom op (to look inside them)."""
-    import importlib
-
-    bodies = {}
-    for mod in ("rope", "cache", "decode", "prefill", "sparse", "indexer", "moe"):
-        module = importlib.import_module(f"mlagraph.ops.{mod}")
-        for value in vars(module).values():
-            if isinstance(value, torch._library.custom_ops.CustomOpDef):
-                bodies[value._qualname] = value._init_fn
-    return bodies
-
-
 class NoHostSync(TorchDispatchMode):
     """Fails on any op that reads device data on the host (``.item()``, ``.tolist()``, nonzero,
     boolean masks, device->CPU copies) — also INSIDE mlagraph's custom ops, whose Python bodies
@@ -112,7 +101,7 @@ class NoHostSync(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.bodies = _op_bodies()
+        self.bodies = op_bodies()
         self.ops_seen: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -59,18 +59,23 @@ class MoE(nn.Module):
         self.cfg = cfg
         E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.gate = Router(cfg)
-        self.experts = nn.Module()  # stacked: gate_up_proj [E, 2I, D], down_proj [E, D, I]
+        # stacked: gate_up_proj [E, 2I, D], down_proj [E, D, I]; in fp8 with scales, see fp8_weights.py
+        self.experts = nn.Module()
         self.experts.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
         self.experts.down_proj = nn.Parameter(torch.empty(E, D, I))
         self.shared_experts = MLP(D, I * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self._moe = backend.op("moe")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
+        c, ex = self.cfg, self.experts
+        logits = self.gate(x)  # first: graph inputs keep their order (the golden graphs)
+        # fp8 experts (fp8_weights.keep_experts_fp8) carry their 128x128 block scales
+        fp8 = ex.gate_up_proj.dtype == torch.float8_e4m3fn
         out = self._moe(
-            x, self.gate(x), self.experts.gate_up_proj, self.experts.down_proj, self.gate.e_score_correction_bias,
+            x, logits, ex.gate_up_proj, ex.down_proj, self.gate.e_score_correction_bias,
             c.num_experts_per_tok, c.scoring_func, c.topk_method, c.n_group, c.topk_group, c.norm_topk_prob,
             c.routed_scaling_factor,
+            ex.gate_up_proj_scale_inv if fp8 else None, ex.down_proj_scale_inv if fp8 else None,
         )
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -126,6 +131,12 @@ class DeepseekForCausalLM(nn.Module):
             )
         # Quantized latent caches get quantized indexer keys too (DeepSeek's 132-byte rows).
         self.index_layout = "bf16" if self.cache_layout == "bf16" else "fp8"
+        if cfg.uses_dsa and self.index_layout not in self.backend.capabilities.indexer_layouts:
+            raise ValueError(
+                f"kv_cache_dtype: backend {backend!r} supports indexer-key layouts "
+                f"{sorted(self.backend.capabilities.indexer_layouts)}, got {kv_cache_dtype!r} "
+                f"(indexer keys in {self.index_layout!r})"
+            )
         self.model = DeepseekModel(cfg, self.backend)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -179,6 +190,7 @@ class DeepseekForCausalLM(nn.Module):
     def from_pretrained(
         cls, path: str | os.PathLike, *, backend: str = "reference", dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu", kv_cache_dtype: str = "auto", progress: bool = True,
+        fp8_weights: str = "auto",
     ) -> DeepseekForCausalLM:
         """Loads a local Hugging Face checkpoint directory (config.json + *.safetensors, and
         tokenizer.json / tokenizer_config.json / generation_config.json when present).
@@ -186,6 +198,12 @@ class DeepseekForCausalLM(nn.Module):
         ``dtype`` is a torch dtype or its name ("bfloat16"). Everything that can be checked
         before the weights are read is: the path, config.json, every shard's header, dtype,
         device and kv_cache_dtype.
+
+        ``fp8_weights`` says what becomes of DeepSeek's fp8 block-scaled weights: "auto" keeps
+        them in fp8 when config.json has an fp8 ``quantization_config`` (else dequantizes),
+        "keep" keeps them or raises, "dequantize" turns them into ``dtype`` at load. Kept
+        weights run as block-scaled fp8 GEMMs on CUDA and dequantize per call elsewhere
+        (see mlagraph/model/fp8_weights.py).
         """
         from .loading import check_shards, checkpoint_dir, checkpoint_files, load_checkpoint
 
@@ -195,7 +213,7 @@ class DeepseekForCausalLM(nn.Module):
         check_shards(checkpoint_files(path))
         tokenizer, eos = Tokenizer.from_dir(path), eos_token_ids(path, cfg.vocab_size)
         model = cls(cfg, backend=backend, kv_cache_dtype=kv_cache_dtype)
-        load_checkpoint(model, path, progress=progress)
+        load_checkpoint(model, path, progress=progress, fp8_weights=fp8_weights, dtype=dtype)
         model.tokenizer, model.eos_token_ids = tokenizer, eos
         return model.to_device_dtype(device, dtype)
 

@@ -6,7 +6,7 @@ On-disk names are the Hugging Face ones. Three things differ from our parameters
   we stack them into ``mlp.experts.gate_up_proj [E, 2I, D]`` and ``down_proj [E, D, I]``
   (already-stacked checkpoints load too);
 - DeepSeek's own fp8 checkpoints store ``W`` as e4m3 with ``W.weight_scale_inv`` per 128x128
-  block; we dequantize on load;
+  block; those stay e4m3 (fp8_weights.py says which layers, and when) or are dequantized on load;
 - multi-token-prediction layers (``model.layers.{n}`` with n >= num_hidden_layers) and rotary
   ``inv_freq`` buffers are not part of the model and are skipped.
 
@@ -20,16 +20,16 @@ import re
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 from tqdm.auto import tqdm
 
-from .config import read_json
+from ..ops.fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_blockwise
+from .config import read_config_file, read_json
+from .fp8_weights import DEQUANTIZED_AT_LOAD, fp8_linear_for, keep_experts_fp8, keeps_fp8
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_FP8_BLOCK = 128
 _MAX_LISTED = 20
-
-
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -87,30 +87,58 @@ def check_shards(files: list[str]) -> None:
                              f"(truncated or interrupted download?)") from None
 
 
-def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """DeepSeek fp8 weights: e4m3 [out, in] times a float32 scale per 128x128 block."""
-    out_f, in_f = w.shape
-    s = scale_inv.float().repeat_interleave(_FP8_BLOCK, 0)[:out_f].repeat_interleave(_FP8_BLOCK, 1)[:, :in_f]
-    return w.float() * s
+def _keep_fp8_layers(model: nn.Module, fp8_keys: set[str]) -> set[str]:
+    """Turns the layers holding these fp8 checkpoint weights into fp8 ones (Fp8Linear, fp8
+    experts); returns the checkpoint keys that now load as e4m3. Keys naming no layer of the
+    model are left to the loader to report."""
+    kept = set()
+    for key in sorted(fp8_keys):
+        em = _EXPERT.match(key)
+        owner = em.group(1) if em else key.removesuffix(".weight")
+        try:
+            module = model.get_submodule(owner)
+        except AttributeError:
+            continue
+        if em and hasattr(module, "gate_up_proj"):
+            if isinstance(module.gate_up_proj, nn.Parameter):  # the layer's first fp8 expert
+                keep_experts_fp8(module)
+            kept.add(key)
+        elif not em and isinstance(module, nn.Linear) and owner.rsplit(".", 1)[-1] not in DEQUANTIZED_AT_LOAD:
+            parent, _, child = owner.rpartition(".")
+            setattr(model.get_submodule(parent), child, fp8_linear_for(module))
+            kept.add(key)
+    return kept
 
 
-def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, progress: bool = True) -> None:
-    """Copies every tensor of the checkpoint into ``model`` (in place, in the params' dtype)."""
+def load_checkpoint(
+    model: nn.Module, path: str | os.PathLike, *, progress: bool = True, fp8_weights: str = "auto",
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """Copies every tensor of the checkpoint into ``model`` (in place, in the params' dtype;
+    fp8 weights as e4m3 when ``fp8_weights`` keeps them, see fp8_weights.keeps_fp8)."""
     num_layers = model.config.num_hidden_layers
-    params = dict(model.named_parameters())
-    params.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
-    tied = model.config.tie_word_embeddings
-    expected = set(params) - ({"lm_head.weight"} if tied else set())
-    loaded: set[str] = set()
-    experts_seen: dict[str, set[tuple[int, str]]] = {}
-    unexpected, misshaped = [], []
-
     files = checkpoint_files(path)
     # A weight's fp8 scale may sit in another shard than the weight itself.
     scale_files: dict[str, str] = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
             scale_files.update((k, file) for k in f.keys() if k.endswith("_scale_inv"))
+    fp8_keys = {k.removesuffix("_scale_inv") for k in scale_files}
+    fp8_keys = {k for k in fp8_keys if not ((m := _LAYER.match(k)) and int(m.group(1)) >= num_layers)}
+    kept: set[str] = set()
+    if keeps_fp8(fp8_weights, read_config_file(path), bool(fp8_keys), dtype):
+        kept = _keep_fp8_layers(model, fp8_keys)
+
+    params = dict(model.named_parameters())
+    params.update(
+        {n: b for n, b in model.named_buffers()
+         if n.endswith("e_score_correction_bias") or n.endswith("_scale_inv") or b.dtype == FP8_DTYPE}
+    )
+    tied = model.config.tie_word_embeddings
+    expected = set(params) - ({"lm_head.weight"} if tied else set())
+    loaded: set[str] = set()
+    experts_seen: dict[str, set[tuple[int, str]]] = {}
+    unexpected, misshaped = [], []
     with tqdm(total=len(files), desc="loading checkpoint", unit="file", disable=not progress) as bar:
         for file in files:
             with safe_open(file, framework="pt") as f:
@@ -121,8 +149,8 @@ def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, progress
                     m = _LAYER.match(key)
                     if m and int(m.group(1)) >= num_layers:
                         continue  # multi-token-prediction layers
-                    tensor = f.get_tensor(key)
-                    if tensor.dtype == torch.float8_e4m3fn:
+                    tensor, scale = f.get_tensor(key), None
+                    if tensor.dtype == FP8_DTYPE:
                         scale_key = key + "_scale_inv"
                         if scale_key in keys:
                             scale = f.get_tensor(scale_key)
@@ -131,35 +159,47 @@ def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, progress
                                 scale = g.get_tensor(scale_key)
                         else:
                             raise ValueError(f"from_pretrained: fp8 weight {key!r} has no {scale_key!r} in {path!r}")
-                        tensor = _dequant_fp8(tensor, scale)
+                        if key not in kept:
+                            tensor, scale = dequantize_blockwise(tensor, scale.float(), torch.float32), None
                     em = _EXPERT.match(key)
+                    if tensor.dtype != FP8_DTYPE and key in kept:  # its scale said fp8: its layer was made fp8
+                        misshaped.append(
+                            f"{key}: expected dtype float8_e4m3fn (it has a weight_scale_inv), got {tensor.dtype}"
+                        )
+                        if em:  # reported here, not again as a missing expert
+                            experts_seen.setdefault(em.group(1), set()).add((int(em.group(2)), em.group(3)))
+                        else:
+                            loaded.update((key, key + "_scale_inv"))
+                        continue
                     if em:
                         prefix, e, which = em.group(1), int(em.group(2)), em.group(3)
-                        if _copy_expert(params, prefix, e, which, tensor, key, misshaped, unexpected):
+                        if _copy_expert(params, prefix, e, which, tensor, scale, key, misshaped, unexpected):
                             experts_seen.setdefault(prefix, set()).add((e, which))
                         continue
                     if key not in params:
                         unexpected.append(key)
                         continue
-                    if tuple(tensor.shape) != tuple(params[key].shape):
-                        misshaped.append(f"{key}: expected {list(params[key].shape)}, got {list(tensor.shape)}")
-                        loaded.add(key)  # reported as mis-shaped, not again as missing
+                    targets = [(key, tensor)] + ([(key + "_scale_inv", scale)] if scale is not None else [])
+                    loaded.update(k for k, _ in targets)  # a mis-shaped one is not reported again as missing
+                    bad = [f"{k}: expected {list(params[k].shape)}, got {list(t.shape)}"
+                           for k, t in targets if tuple(t.shape) != tuple(params[k].shape)]
+                    if bad:
+                        misshaped.extend(bad)
                         continue
                     with torch.no_grad():
-                        params[key].copy_(tensor)
-                    loaded.add(key)
+                        for k, t in targets:
+                            params[k].copy_(t)
             bar.update(1)
 
     # A stacked expert tensor counts as loaded once every expert's pieces arrived.
     for prefix, seen in experts_seen.items():
         E = params[f"{prefix}.gate_up_proj"].shape[0]
         for name, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
-            if all((e, p) in seen for e in range(E) for p in parts):
-                loaded.add(f"{prefix}.{name}")
-            else:
+            # reported below if incomplete, not again as missing; fp8 scales arrive with their weights
+            loaded.update(k for k in (f"{prefix}.{name}", f"{prefix}.{name}_scale_inv") if k in params)
+            if not all((e, p) in seen for e in range(E) for p in parts):
                 gaps = [f"{prefix}.{e}.{p}.weight" for e in range(E) for p in parts if (e, p) not in seen]
                 misshaped.append(f"{prefix}.{name}: missing experts {gaps[:4]}{' ...' if len(gaps) > 4 else ''}")
-                loaded.add(f"{prefix}.{name}")  # reported above, not again as missing
     missing = sorted(expected - loaded)
     problems = []
     for title, items in (("missing", missing), ("unexpected", sorted(unexpected)), ("mis-shaped", misshaped)):
@@ -171,16 +211,24 @@ def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, progress
         raise ValueError(f"from_pretrained: checkpoint {os.fspath(path)!r} does not match the model:\n" + "\n".join(problems))
 
 
-def _copy_expert(params, prefix, e, which, tensor, key, misshaped, unexpected) -> bool:
+def _copy_expert(params, prefix, e, which, tensor, scale, key, misshaped, unexpected) -> bool:
+    """One expert's gate/up/down weight (and, for fp8 experts, its block scales) into the stack."""
     gate_up, down = params.get(f"{prefix}.gate_up_proj"), params.get(f"{prefix}.down_proj")
     if gate_up is None or e >= gate_up.shape[0]:
         unexpected.append(key)
         return False
     inter = down.shape[2]
     dst = {"gate_proj": gate_up[e, :inter], "up_proj": gate_up[e, inter:], "down_proj": down[e]}[which]
-    if tuple(tensor.shape) != tuple(dst.shape):
-        misshaped.append(f"{key}: expected {list(dst.shape)}, got {list(tensor.shape)}")
-        return True  # seen (and reported), so not reported again as a missing expert
+    targets = [(dst, tensor)]
+    if scale is not None:  # fp8 experts: inter is a multiple of 128 (keep_experts_fp8 checked)
+        gs, ds = params[f"{prefix}.gate_up_proj_scale_inv"], params[f"{prefix}.down_proj_scale_inv"]
+        blocks = inter // FP8_BLOCK
+        targets.append(({"gate_proj": gs[e, :blocks], "up_proj": gs[e, blocks:], "down_proj": ds[e]}[which], scale))
+    for d, t in targets:
+        if tuple(t.shape) != tuple(d.shape):
+            misshaped.append(f"{key}{'' if d is dst else '_scale_inv'}: expected {list(d.shape)}, got {list(t.shape)}")
+            return True  # seen (and reported), so not reported again as a missing expert
     with torch.no_grad():
-        dst.copy_(tensor)
+        for d, t in targets:
+            d.copy_(t)
     return True

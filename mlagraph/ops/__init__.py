@@ -10,14 +10,15 @@ implementation in plain PyTorch:
 - :mod:`.prefill`  ``mha_prefill`` (dense, ragged, causal with prefix)
 - :mod:`.sparse`   ``sparse_mla`` (DSA attention over top-k indices)
 - :mod:`.indexer`  ``indexer_cache_write``, ``indexer_topk``
-- :mod:`.moe`      ``moe`` (DeepSeek routing + routed experts)
+- :mod:`.moe`      ``moe`` (DeepSeek routing + routed experts, grouped by expert)
+- :mod:`.fp8`      ``fp8_linear`` (DeepSeek's block-scaled fp8 weights kept in fp8)
 
 Cache layouts are described in :mod:`.layouts`; backends and their capability tables in
 :mod:`.backends`.
 """
 
 from . import layouts  # noqa: F401
-from . import rope, cache, decode, prefill, sparse, indexer, moe  # noqa: F401  (registers the ops)
+from . import rope, cache, decode, prefill, sparse, indexer, fp8, moe  # noqa: F401  (registers the ops)
 from . import backends  # noqa: F401
 from . import triton  # noqa: F401  (registers the triton backend and its ops)
 from . import aiter  # noqa: F401  (registers the aiter backend and its ops; amd-aiter optional)

@@ -4,7 +4,7 @@ A backend is a name, a frozen :class:`Capabilities` table and a map from each ge
 (``"mla_decode"``, ``"mha_prefill"``, ...) to the ``torch.ops`` op that implements it. Every
 dispatch decision in mlagraph (the forward method of a layer, which fusion a pass applies) is a
 pure function of that table and the batch plan: no environment variable, platform flag or
-module-level switch reaches an op, a pass or a dispatch function (DESIGN.md, lessons 1-4).
+module-level switch reaches an op, a pass or a dispatch function (docs/design.md, rules 1-4).
 
     >>> from mlagraph.ops import backends
     >>> backends.names()
@@ -19,7 +19,7 @@ module-level switch reaches an op, a pass or a dispatch function (DESIGN.md, les
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
 import torch
@@ -45,11 +45,11 @@ class Capabilities:
 
     Attributes:
         latent_layouts: latent cache layouts its kernels read and write.
-        indexer_layouts: indexer-key cache layouts (DSA) it reads and writes.
+        indexer_layouts: indexer-key cache layouts (DSA) it reads and writes; a V3.2 model on
+            this backend is refused when its indexer layout is not among them.
         fused_rope_cache: it has a single op for RoPE -> concat(q) -> latent cache write.
         fused_applies_rope: that fused op rotates q_pe and k_pe itself (so nothing else may).
         fused_writes_cache: that fused op writes the latent cache itself.
-        fused_returns_q: that fused op returns q = cat(q_nope, rope(q_pe)).
         fused_returns_k: that fused op returns the rotated k_pe; if False its K output is an
             empty tensor and no consumer may read it.
         decode_q_split: its decode takes q_nope and q_pe as two tensors (no concat needed).
@@ -61,7 +61,8 @@ class Capabilities:
             passes ``single_request=True`` (one request, no prefix, no padding); the batch
             builder sets that flag, and skips padding such a batch, only for these backends.
         cuda_graph_safe: generic ops whose kernels are safe to capture in a CUDA graph.
-        fallbacks: generic op -> backend whose implementation this backend uses for it.
+        fallbacks: generic op -> backend whose implementation this backend uses for it. Declared
+            here once: :func:`op_names_for` derives the op map from it, :func:`register` checks it.
     """
 
     latent_layouts: frozenset[str]
@@ -69,7 +70,6 @@ class Capabilities:
     fused_rope_cache: bool
     fused_applies_rope: bool
     fused_writes_cache: bool
-    fused_returns_q: bool
     fused_returns_k: bool
     decode_q_split: bool
     multi_token_decode: bool
@@ -114,10 +114,30 @@ class Backend:
 _REGISTRY: dict[str, Backend] = {}
 
 
+def op_names_for(namespace: str, own: Iterable[str], fallbacks: Mapping[str, str]) -> dict[str, str]:
+    """A backend's op map: each op it implements as ``namespace::<op>``, each declared fallback
+    as the op of the (registered) backend it names."""
+    names = {g: f"{namespace}::{g}" for g in own}
+    for g, other in fallbacks.items():
+        if other not in _REGISTRY:
+            raise ValueError(f"fallbacks: {g!r} falls back to {other!r}, which is not registered")
+        names[g] = _REGISTRY[other].op_names[g]
+    return names
+
+
 def register(backend: Backend) -> Backend:
+    """Adds ``backend`` to the registry after checking that it maps every generic op and that
+    each declared fallback is the named backend's op."""
     missing = [g for g in GENERIC_OPS if g not in backend.op_names]
     if missing:
         raise ValueError(f"backend {backend.name!r} does not map generic ops {missing}")
+    for g, other in backend.capabilities.fallbacks.items():
+        want = _REGISTRY[other].op_names.get(g) if other in _REGISTRY else None
+        if backend.op_names[g] != want:
+            raise ValueError(
+                f"backend {backend.name!r}: fallbacks: {g!r} is declared to run backend {other!r}'s op "
+                f"({want or 'not registered'}), but maps to {backend.op_names[g]}"
+            )
     _REGISTRY[backend.name] = backend
     return backend
 
@@ -169,7 +189,6 @@ REFERENCE = register(
             fused_rope_cache=True,
             fused_applies_rope=True,
             fused_writes_cache=True,
-            fused_returns_q=True,
             fused_returns_k=True,
             decode_q_split=True,
             multi_token_decode=True,

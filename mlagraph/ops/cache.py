@@ -2,7 +2,7 @@
 RoPE → concat → cache write that a backend may replace with one kernel.
 
 L (kv_lora_rank) and R (rope dim) are read from tensor shapes. The layout is always passed by
-name and every byte goes through :mod:`.layouts` (lesson 5 in DESIGN.md: a reader never guesses
+name and every byte goes through :mod:`.layouts` (docs/design.md rule 5: a reader never guesses
 the layout from a row width, so a 576-wide cache passed as "fp8_ds" is an error, not a misread).
 """
 
@@ -10,6 +10,7 @@ import torch
 
 from . import layouts
 from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_positive, check_same_dtype, check_tensor, fail
+from ._define import custom_op
 from .rope import _check_rope, rope_reference
 
 
@@ -87,7 +88,7 @@ def _write(kv_c, k_pe, kv_cache, slot_mapping, scale, layout) -> None:
     layouts.scatter_rows(kv_cache, slot_mapping, rows)
 
 
-@torch.library.custom_op("mlagraph::latent_cache_write", mutates_args=("kv_cache",))
+@custom_op("mlagraph::latent_cache_write", mutates_args=("kv_cache",))
 def latent_cache_write(
     kv_c: torch.Tensor,
     k_pe: torch.Tensor,
@@ -160,7 +161,7 @@ def _read_rows(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: t
     return kv_cache.flatten(0, 1)[slot]
 
 
-@torch.library.custom_op("mlagraph::latent_cache_read", mutates_args=())
+@custom_op("mlagraph::latent_cache_read", mutates_args=())
 def latent_cache_read(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -222,7 +223,7 @@ def _check_fused(q_nope, q_pe, kv_c, k_pe, positions, cos_sin_cache, kv_cache, s
     _check_latent_cache_write(op, kv_c, k_pe[:, 0], kv_cache, slot_mapping, scale, layout, device=dev)
 
 
-@torch.library.custom_op("mlagraph::fused_rope_concat_cache_write", mutates_args=("kv_cache",))
+@custom_op("mlagraph::fused_rope_concat_cache_write", mutates_args=("kv_cache",))
 def fused_rope_concat_cache_write(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,

@@ -20,6 +20,7 @@ import torch
 
 from . import layouts
 from ._checks import FLOAT_DTYPES, check_choice, check_positive, check_same_dtype, check_tensor, fail
+from ._define import custom_op
 
 # ---------------------------------------------------------------------------------------------
 # shared by the latent attention ops (mla_decode, sparse_mla)
@@ -104,7 +105,7 @@ def _check_mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layo
     check_positive(op, "softmax_scale", softmax_scale)
 
 
-@torch.library.custom_op("mlagraph::mla_decode", mutates_args=())
+@custom_op("mlagraph::mla_decode", mutates_args=())
 def mla_decode(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,

@@ -19,6 +19,7 @@ import torch
 
 from . import layouts
 from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_positive, check_tensor, fail
+from ._define import custom_op
 
 
 def _check_cache(op: str, k_cache: torch.Tensor, layout: str, head_dim: object, device: torch.device) -> None:
@@ -44,7 +45,7 @@ def _check_indexer_cache_write(k, k_cache, slot_mapping, layout) -> None:
     check_tensor(op, "slot_mapping", slot_mapping, shape=(num_tokens,), dtypes=INDEX_DTYPES, device=k.device)
 
 
-@torch.library.custom_op("mlagraph::indexer_cache_write", mutates_args=("k_cache",))
+@custom_op("mlagraph::indexer_cache_write", mutates_args=("k_cache",))
 def indexer_cache_write(
     k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: str
 ) -> None:
@@ -86,7 +87,7 @@ def _check_indexer_topk(q, weights, k_cache, req_ids, positions, block_table, la
     check_positive(op, "topk", topk)
 
 
-@torch.library.custom_op("mlagraph::indexer_topk", mutates_args=())
+@custom_op("mlagraph::indexer_topk", mutates_args=())
 def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,

@@ -1,6 +1,6 @@
 """Cache layouts: explicit descriptors for every byte the latent and indexer caches hold.
 
-Every writer and reader takes the layout by name (lesson 5 in DESIGN.md: a reader never infers
+Every writer and reader takes the layout by name (docs/design.md rule 5: a reader never infers
 the layout from a row width). A cache is a tensor ``[num_pages, page_size, row_width]``; token
 ``t`` of a request lives at slot ``block_table[b, pos // page_size] * page_size + pos % page_size``.
 

@@ -1,5 +1,20 @@
 """DeepSeek MoE: routing plus the routed experts, as one op so the model graph stays whole.
 
+``moe`` groups the T*top_k (token, expert) rows by expert (a stable sort and a histogram) and
+runs one grouped GEMM per projection (``F.grouped_mm``), so its work is proportional to the
+routed rows: static shapes (T*top_k rows, all of them real), no host sync, CUDA-graph
+capturable. :func:`moe_all_experts` is the old all-experts implementation, kept as the oracle.
+
+Experts may be fp8 (e4m3 with 128x128 block scales, see :mod:`.fp8`): on CUDA a Triton grouped
+GEMM (:mod:`.triton.grouped_fp8`) reads each routed expert's e4m3 bytes once; elsewhere the
+weights are dequantized per call (the stored copy stays fp8). Where ``F.grouped_mm`` does not
+run (CPU on an older torch) CPU loops over the groups; CUDA without it (float32) takes the
+all-experts path, which needs no host sync either.
+
+Shared experts stay in the model (an MLP): folding them into this call as an expert every
+token picks would save two GEMM launches per layer, which CUDA graphs already make cheap, and
+would need their weights stacked with the routed ones (or a second weight argument).
+
 :func:`route` reproduces transformers' ``DeepseekV2TopkRouter`` (softmax scores, "greedy" or
 "group_limited_greedy") and ``DeepseekV3TopkRouter`` (sigmoid scores, "noaux_tc") with the same
 torch ops in the same order, so tie-breaking and rounding match. The router linear itself stays
@@ -11,14 +26,18 @@ routed_scaling_factor 1.0 or 16.0), V3 and V3.2 sigmoid/noaux_tc (norm_topk_prob
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from ._checks import FLOAT_DTYPES, check_choice, check_positive, check_same_dtype, check_tensor, fail
+from ._define import custom_op
+from .fp8 import check_block_scaled, dequantize_blockwise
 
 SCORING_FUNCS = ("softmax", "sigmoid")
-# moe runs every expert on every token; up to this many (token, expert) rows it does so in two
-# batched matmuls (their [E, T, D] float32 intermediate stays small), above it one expert at a time.
+# The all-experts oracle: up to this many (token, expert) rows it runs in two batched matmuls
+# (their [E, T, D] float32 intermediate stays small), above it one expert at a time.
 _BATCHED_MAX_ROWS = 4096
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
@@ -119,7 +138,7 @@ def route(
 
 def _check_moe(
     hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
-    topk_method, n_group, topk_group, routed_scaling_factor,
+    topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale,
 ) -> None:
     op = "moe"
     check_tensor(op, "hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
@@ -128,20 +147,154 @@ def _check_moe(
     check_tensor(op, "router_logits", router_logits, shape=(num_tokens, None), device=dev)
     num_experts = router_logits.shape[1]
     check_tensor(op, "gate_up_proj", gate_up_proj, shape=(num_experts, None, dim), device=dev)
-    check_same_dtype(op, "gate_up_proj", gate_up_proj, "hidden", hidden)
     if gate_up_proj.shape[1] % 2 != 0:
         shape = list(gate_up_proj.shape)
         fail(op, "gate_up_proj", "an even dim 1 (gate rows, then up rows)", f"shape {shape}")
     inter = gate_up_proj.shape[1] // 2
     check_tensor(op, "down_proj", down_proj, shape=(num_experts, dim, inter), device=dev)
-    check_same_dtype(op, "down_proj", down_proj, "hidden", hidden)
+    if (gate_up_scale is None) != (down_scale is None):
+        given, missing = ("gate_up_scale", "down_scale") if down_scale is None else ("down_scale", "gate_up_scale")
+        fail(op, missing, f"a Tensor, since '{given}' is given (fp8 experts need both scales)", "None")
+    if gate_up_scale is None:
+        check_same_dtype(op, "gate_up_proj", gate_up_proj, "hidden", hidden)
+        check_same_dtype(op, "down_proj", down_proj, "hidden", hidden)
+    else:  # fp8 experts: e4m3 weights, float32 scales per 128x128 block
+        check_block_scaled(op, "gate_up_proj", gate_up_proj, "gate_up_scale", gate_up_scale,
+                           shape=gate_up_proj.shape, device=dev)
+        check_block_scaled(op, "down_proj", down_proj, "down_scale", down_scale, shape=down_proj.shape, device=dev)
     _check_routing(
         op, router_logits, e_score_correction_bias, top_k, scoring_func, topk_method, n_group, topk_group,
         routed_scaling_factor,
     )
 
 
-@torch.library.custom_op("mlagraph::moe", mutates_args=())
+def _expert_weights(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale):
+    """The experts in hidden's dtype: fp8 ones dequantized (per call; the stored copy stays fp8)."""
+    if gate_up_scale is None:
+        return gate_up_proj, down_proj
+    return (dequantize_blockwise(gate_up_proj, gate_up_scale, hidden.dtype),
+            dequantize_blockwise(down_proj, down_scale, hidden.dtype))
+
+
+@functools.cache
+def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``F.grouped_mm`` exists and runs for this device type and dtype (torch 2.13 runs
+    float32/bfloat16/float16 on CPU; CUDA's fast kernel is bfloat16, where the model runs).
+    Probed once on a tiny problem, so the answer is a fact of this torch build, not a guess."""
+    if not hasattr(F, "grouped_mm") or (device_type == "cuda" and dtype != torch.bfloat16):
+        return False
+    try:
+        a = torch.ones(16, 16, dtype=dtype, device=device_type)
+        F.grouped_mm(a, torch.ones(2, 16, 16, dtype=dtype, device=device_type).transpose(1, 2),
+                     offs=torch.tensor([8, 16], dtype=torch.int32, device=device_type))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _per_group_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grouped_mm's result, one matmul per group: reads the group ends on the host, so only
+    for CPU (no graph to capture, nothing to wait for)."""
+    out = x.new_empty(x.shape[0], w_t.shape[2])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w_t[g]
+        start = end
+    return out
+
+
+def _grouped_experts(hidden, weights, ids, num_experts, gate_up_mm, down_mm) -> torch.Tensor:
+    """hidden [T, D], weights/ids [T, k] -> [T, D]; ``gate_up_mm(x [rows, D], offs) -> [rows, 2I]``
+    and ``down_mm(x [rows, I], offs) -> [rows, D]``: the grouped GEMMs, offs [E] int32 group ends.
+
+    Rows are (token, slot) pairs sorted by expert: T*k rows, every one routed, so no padding
+    and nothing data-dependent in any shape. An expert with no rows is an empty group; the
+    grouped GEMM never reads its weights.
+    """
+    num_tokens, top_k = ids.shape
+    dim = hidden.shape[1]
+    flat = ids.reshape(-1)  # [T*k]
+    order = torch.argsort(flat, stable=True)  # sorted row -> (token, slot) index
+    # Histogram without bincount (whose output length depends on the data).
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=hidden.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)  # group ends, [E]
+    x = hidden.index_select(0, order // top_k)  # [T*k, D]
+    gate, up = gate_up_mm(x, offs).float().chunk(2, dim=-1)  # [T*k, I] each
+    y = down_mm((F.silu(gate) * up).to(hidden.dtype), offs).float()  # [T*k, D]
+    # Back to (token, slot) order, then a float32 sum over each token's k experts (no atomics).
+    y = torch.empty_like(y).index_copy_(0, order, y).view(num_tokens, top_k, dim)
+    return (y * weights[..., None]).sum(1).to(hidden.dtype)
+
+
+def _grouped_gemms(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale):
+    """The two grouped GEMMs for these experts on this device, as ``fn(x, offs)``; None where
+    there are none (then the all-experts path runs)."""
+    if gate_up_scale is not None and _fp8_kernel_runs(hidden):
+        from .triton.grouped_fp8 import fp8_activations_pay, grouped_fp8_mm  # imported only where it runs
+
+        num_experts = gate_up_proj.shape[0]
+        return (lambda x, offs: grouped_fp8_mm(x, gate_up_proj, gate_up_scale, offs,
+                                               fp8_activations_pay(x, num_experts)),
+                lambda x, offs: grouped_fp8_mm(x, down_proj, down_scale, offs, fp8_activations_pay(x, num_experts)))
+    gate_up, down = _expert_weights(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
+    if _grouped_mm_runs(hidden.device.type, hidden.dtype):
+        mm = F.grouped_mm
+    elif hidden.device.type == "cpu":
+        mm = _per_group_mm
+    else:
+        return None
+    return (lambda x, offs: mm(x, gate_up.transpose(1, 2), offs=offs),
+            lambda x, offs: mm(x, down.transpose(1, 2), offs=offs))
+
+
+def _fp8_kernel_runs(hidden: torch.Tensor) -> bool:
+    """fp8 experts on CUDA run the Triton grouped fp8 GEMM, which reads each routed expert's
+    e4m3 weights once; elsewhere they are dequantized per call (plain PyTorch)."""
+    return hidden.device.type == "cuda"
+
+
+def _all_experts(hidden, weights, ids, gate_up_proj, down_proj) -> torch.Tensor:
+    """Every expert on every token, masked to the routed ones: work proportional to E."""
+    num_tokens, num_experts = hidden.shape[0], gate_up_proj.shape[0]
+    # Dense [T, E] combine weights (E is a shape, so no sync), and the routed mask keeps an
+    # unrouted expert's output (even inf/nan) out of the sum.
+    combine = weights.new_zeros(num_tokens, num_experts).scatter_(1, ids, weights)
+    routed = torch.zeros_like(combine, dtype=torch.bool).scatter_(1, ids, True)
+    # Expert matmuls run in the weights' dtype (float32 accumulation inside, as transformers
+    # does); activations and the sum over experts are float32.
+    if num_tokens * num_experts <= _BATCHED_MAX_ROWS:
+        # Decode-sized batches: all experts in two batched matmuls, each expert's weights read once.
+        gate, up = torch.matmul(hidden, gate_up_proj.transpose(1, 2)).float().chunk(2, dim=-1)  # [E, T, I]
+        y = torch.matmul((F.silu(gate) * up).to(hidden.dtype), down_proj.transpose(1, 2)).float()  # [E, T, D]
+        return torch.where(routed.T[..., None], combine.T[..., None] * y, 0.0).sum(0).to(hidden.dtype)
+    out = hidden.new_zeros(hidden.shape, dtype=torch.float32)
+    for e in range(num_experts):
+        gate, up = F.linear(hidden, gate_up_proj[e]).float().chunk(2, dim=-1)
+        y = F.linear((F.silu(gate) * up).to(hidden.dtype), down_proj[e]).float()
+        out = out + torch.where(routed[:, e, None], combine[:, e, None] * y, 0.0)
+    return out.to(hidden.dtype)
+
+
+def moe_all_experts(
+    hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func, topk_method,
+    n_group, topk_group, norm_topk_prob, routed_scaling_factor, gate_up_scale=None, down_scale=None,
+) -> torch.Tensor:
+    """The oracle: ``moe``'s arguments and result, computed by running every expert on every
+    token (the implementation before grouping). Tests compare the op against it."""
+    _check_moe(
+        hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
+        topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale,
+    )
+    weights, ids = route(
+        router_logits, e_score_correction_bias, top_k, scoring_func, topk_method, n_group, topk_group,
+        norm_topk_prob, routed_scaling_factor,
+    )
+    gate_up, down = _expert_weights(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
+    return _all_experts(hidden, weights, ids, gate_up, down)
+
+
+@custom_op("mlagraph::moe", mutates_args=())
 def moe(
     hidden: torch.Tensor,
     router_logits: torch.Tensor,
@@ -155,59 +308,54 @@ def moe(
     topk_group: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routed experts of a DeepSeek MoE layer (no shared experts).
+    """Routed experts of a DeepSeek MoE layer (no shared experts), grouped by expert.
 
     Args:
         hidden: [T, D] float32/bfloat16/float16.
         router_logits: [T, E] float32, the router linear of ``hidden`` (computed in float32).
-        gate_up_proj: [E, 2I, D] in hidden's dtype; rows 0..I-1 gate, I..2I-1 up.
-        down_proj: [E, D, I] in hidden's dtype.
+        gate_up_proj: [E, 2I, D] in hidden's dtype, or e4m3 with ``gate_up_scale``; rows
+            0..I-1 gate, I..2I-1 up.
+        down_proj: [E, D, I] in hidden's dtype, or e4m3 with ``down_scale``.
         e_score_correction_bias: [E] float32 or None; "noaux_tc" only.
         top_k, scoring_func, topk_method, n_group, topk_group, norm_topk_prob,
             routed_scaling_factor: the routing config, see :func:`route`.
+        gate_up_scale: None, or [E, ceil(2I/128), ceil(D/128)] float32 block scales of fp8 gate_up_proj.
+        down_scale: None, or [E, ceil(D/128), ceil(I/128)] float32 block scales of fp8 down_proj
+            (both scales or neither).
 
     Returns:
         [T, D] in hidden's dtype: sum over the routed experts e of
         weight[t, e] * down_e(silu(gate_e h) * up_e h): the expert matmuls in hidden's dtype
-        (float32 accumulation), the activation and the sum over experts in float32.
+        (float32 accumulation; fp8 experts dequantized to it per call), the activation and the
+        sum over experts in float32.
     """
     _check_moe(
         hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
-        topk_method, n_group, topk_group, routed_scaling_factor,
+        topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale,
     )
     weights, ids = route(
         router_logits, e_score_correction_bias, top_k, scoring_func, topk_method, n_group, topk_group,
         norm_topk_prob, routed_scaling_factor,
     )
-    num_tokens, num_experts = router_logits.shape
-    # Dense [T, E] combine weights: every expert runs on every token (E is a shape, so no sync),
-    # and the routed mask keeps an unrouted expert's output (even inf/nan) out of the sum.
-    combine = weights.new_zeros(num_tokens, num_experts).scatter_(1, ids, weights)
-    routed = torch.zeros_like(combine, dtype=torch.bool).scatter_(1, ids, True)
-    # Expert matmuls run in the weights' dtype (float32 accumulation inside, as transformers
-    # does); activations and the sum over experts are float32.
-    if num_tokens * num_experts <= _BATCHED_MAX_ROWS:
-        # Decode-sized batches: all experts in two batched matmuls, each expert's weights read
-        # once, instead of 4 kernels per expert (launch-bound at decode).
-        gate, up = torch.matmul(hidden, gate_up_proj.transpose(1, 2)).float().chunk(2, dim=-1)  # [E, T, I]
-        y = torch.matmul((F.silu(gate) * up).to(hidden.dtype), down_proj.transpose(1, 2)).float()  # [E, T, D]
-        return torch.where(routed.T[..., None], combine.T[..., None] * y, 0.0).sum(0).to(hidden.dtype)
-    out = hidden.new_zeros(hidden.shape, dtype=torch.float32)
-    for e in range(num_experts):
-        gate, up = F.linear(hidden, gate_up_proj[e]).float().chunk(2, dim=-1)
-        y = F.linear((F.silu(gate) * up).to(hidden.dtype), down_proj[e]).float()
-        out = out + torch.where(routed[:, e, None], combine[:, e, None] * y, 0.0)
-    return out.to(hidden.dtype)
+    gemms = _grouped_gemms(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
+    if gemms is not None:
+        return _grouped_experts(hidden, weights, ids, gate_up_proj.shape[0], *gemms)
+    # No grouped GEMM for this device and dtype (CUDA float32, say): the all-experts path,
+    # which needs no host sync either, so the op stays capturable.
+    gate_up, down = _expert_weights(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
+    return _all_experts(hidden, weights, ids, gate_up, down)
 
 
 @moe.register_fake
 def moe_fake(
     hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
-    topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+    topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor, gate_up_scale=None, down_scale=None,
 ):
     _check_moe(
         hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
-        topk_method, n_group, topk_group, routed_scaling_factor,
+        topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale,
     )
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import FLOAT_DTYPES, check_positive, check_same_dtype, check_tensor, fail
+from ._define import custom_op
 from .decode import masked_softmax
 
 
@@ -36,7 +37,7 @@ def _check_mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causa
              f"B={cu_seqlens_q.shape[0] - 1}, causal={causal}")
 
 
-@torch.library.custom_op("mlagraph::mha_prefill", mutates_args=())
+@custom_op("mlagraph::mha_prefill", mutates_args=())
 def mha_prefill(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -11,6 +11,7 @@ import math
 import torch
 
 from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_positive, check_same_dtype, check_tensor, fail
+from ._define import custom_op
 
 ROPE_TYPES = ("default", "yarn")
 
@@ -208,7 +209,7 @@ def rope_reference(
     return q, k
 
 
-@torch.library.custom_op("mlagraph::rope", mutates_args=())
+@custom_op("mlagraph::rope", mutates_args=())
 def rope(
     q_pe: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ import torch
 
 from . import layouts
 from ._checks import FLOAT_DTYPES, check_positive, check_same_dtype, check_tensor
+from ._define import custom_op
 from .decode import check_latent_cache, gather_latent, latent_attention
 
 
@@ -30,7 +31,7 @@ def _check_sparse_mla(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table
     check_positive(op, "softmax_scale", softmax_scale)
 
 
-@torch.library.custom_op("mlagraph::sparse_mla", mutates_args=())
+@custom_op("mlagraph::sparse_mla", mutates_args=())
 def sparse_mla(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,

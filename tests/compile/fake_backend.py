@@ -3,7 +3,7 @@ the compiler can be tested against two backends on the CPU.
 
 aiter's ``fused_qk_rope_cat_and_cache`` rotates q_pe and k_pe, concatenates q, writes the latent
 cache, and hands back q and an EMPTY K: it writes K to the cache and returns nothing usable.
-A consumer that reads that K is the seed bug of DESIGN.md lesson 1 (a null-K GPU fault).
+A consumer that reads that K is the seed bug of docs/design.md rule 1 (a null-K GPU fault).
 
 - ``mlagraph_test::fused_qk_rope_cat_and_cache``: a private op with the schema of
   ``mlagraph::fused_rope_concat_cache_write``; the math is the reference composition (the same

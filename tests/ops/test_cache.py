@@ -5,6 +5,7 @@ import torch
 
 import mlagraph  # noqa: F401  (registers the ops)
 from mlagraph.ops import layouts
+from mlagraph.ops._define import op_body
 from mlagraph.ops.rope import rope_cos_sin_cache
 from tests import helpers
 from tests.helpers import arg_error, assert_value_error, make_block_table, slots_for
@@ -485,12 +486,10 @@ def test_fused_bad_input(case):
 @pytest.mark.parametrize("layout, dtype, cache_dtype", VARIANTS, ids=IDS)
 def test_no_host_sync(layout, dtype, cache_dtype):
     """Each op's Python body (checks + reference) under a mode that fails on host syncs."""
-    from mlagraph.ops import cache as cache_ops
-
     fused_args = _fused_args(layout, dtype, cache_dtype, True)
     read_args = _read_args(layout, cache_dtype, dtype)
     with NoHostSync():
-        q, k = cache_ops.fused_rope_concat_cache_write._init_fn(*fused_args)
-        cache_ops.latent_cache_write._init_fn(fused_args[2], k[:, 0], *fused_args[6:10])
-        cache_ops.latent_cache_write._init_fn(fused_args[2], k[:, 0], fused_args[6], torch.full((TF,), -1), *fused_args[8:10])
-        cache_ops.latent_cache_read._init_fn(*read_args)
+        q, k = op_body("mlagraph::fused_rope_concat_cache_write")(*fused_args)
+        op_body("mlagraph::latent_cache_write")(fused_args[2], k[:, 0], *fused_args[6:10])
+        op_body("mlagraph::latent_cache_write")(fused_args[2], k[:, 0], fused_args[6], torch.full((TF,), -1), *fused_args[8:10])
+        op_body("mlagraph::latent_cache_read")(*read_args)

@@ -1,4 +1,6 @@
-"""mlagraph.ops.moe.route and mlagraph::moe against transformers' DeepSeek routers and experts."""
+"""mlagraph.ops.moe.route and mlagraph::moe against transformers' DeepSeek routers and experts,
+a float64 loop, and the all-experts oracle (moe_all_experts); fp8 experts against their
+dequantized weights."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Confi
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Config, DeepseekV3MoE
 
 import mlagraph  # noqa: F401  (registers the ops)
-from mlagraph.ops.moe import route
+import mlagraph.ops.moe as moe_module
+from mlagraph.ops._define import op_body
+from mlagraph.ops.fp8 import dequantize_blockwise, quantize_blockwise
+from mlagraph.ops.moe import moe_all_experts, route
 from tests import helpers
 from tests.helpers import capture_cuda_graph
 
@@ -108,12 +113,13 @@ def test_route_noaux_tc_uses_bias_to_choose_only():
 def loop_moe(hidden, gate_up_proj, down_proj, weights, ids):
     """float64, one token and one routed expert at a time."""
     out = torch.zeros(hidden.shape, dtype=torch.float64)
+    inter = down_proj.shape[2]
     for t in range(hidden.shape[0]):
         h = hidden[t].double()
         for k in range(ids.shape[1]):
             e = int(ids[t, k])
-            gate = gate_up_proj[e, :INTER].double() @ h
-            up = gate_up_proj[e, INTER:].double() @ h
+            gate = gate_up_proj[e, :inter].double() @ h
+            up = gate_up_proj[e, inter:].double() @ h
             out[t] += float(weights[t, k]) * (down_proj[e].double() @ (gate * torch.sigmoid(gate) * up))
     return out
 
@@ -142,16 +148,14 @@ def test_moe_matches_loop(routing, dtype, tol):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_expert_loop_equals_batched(monkeypatch, dtype):
-    """Large batches run one expert at a time, small ones batched: the same numbers."""
-    import mlagraph.ops.moe as moe_module
-
+def test_oracle_expert_loop_equals_batched(monkeypatch, dtype):
+    """The oracle runs large batches one expert at a time, small ones batched: the same numbers."""
     routing = ROUTINGS[3]
     m = hf_moe(*routing[1:])
     args = moe_args(m, torch.randn(T, HIDDEN), routing, dtype)
-    batched = moe_op(*args)
+    batched = moe_all_experts(*args)
     monkeypatch.setattr(moe_module, "_BATCHED_MAX_ROWS", 0)
-    looped = moe_op(*args)
+    looped = moe_all_experts(*args)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(looped.float(), batched.float(), rtol=tol, atol=tol * batched.abs().max().item())
 
@@ -264,6 +268,135 @@ def test_moe_compile_matches_eager():
     torch.testing.assert_close(compiled(*args), fn(*args), rtol=0, atol=0)
 
 
+# ---------------------------------------------------------------------------------------------
+# grouped by expert: against the all-experts oracle, work, syncs; fp8 experts
+
+
+def random_moe_args(T_, E_, D_, I_, routing, dtype=torch.float32, fp8=False, seed=0):
+    """moe arguments with random experts [E, 2I, D] / [E, D, I] (e4m3 + block scales if fp8)."""
+    _, scoring, method, n_group, topk_group, top_k, norm, scale = routing
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T_, D_, generator=g).to(dtype)
+    logits = torch.randn(T_, E_, generator=g)
+    bias = torch.rand(E_, generator=g) * 0.1 if method == "noaux_tc" else None
+    gate_up = torch.randn(E_, 2 * I_, D_, generator=g) * D_**-0.5
+    down = torch.randn(E_, D_, I_, generator=g) * I_**-0.5
+    if fp8:
+        (gate_up, gu_scale), (down, d_scale) = quantize_blockwise(gate_up), quantize_blockwise(down)
+    else:
+        gate_up, down, gu_scale, d_scale = gate_up.to(dtype), down.to(dtype), None, None
+    return (hidden, logits, gate_up, down, bias, top_k, scoring, method, n_group, topk_group, norm, scale,
+            gu_scale, d_scale)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])  # 1 token: 5 of 8 experts get no rows
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("routing", ROUTINGS[:2] + ROUTINGS[3:4], ids=ROUTING_IDS[:2] + ROUTING_IDS[3:4])
+def test_grouped_moe_matches_all_experts_oracle(routing, dtype, tol, num_tokens):
+    args = random_moe_args(num_tokens, E, HIDDEN, INTER, routing, dtype)
+    out, expected = moe_op(*args), moe_all_experts(*args)
+    assert out.dtype == dtype and out.shape == (num_tokens, HIDDEN)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_group_fallback_equals_grouped_mm(monkeypatch, dtype):
+    """Where F.grouped_mm does not run on CPU, one matmul per group gives the same numbers."""
+    args = random_moe_args(7, E, HIDDEN, INTER, ROUTINGS[3], dtype)
+    grouped = moe_op(*args)
+    monkeypatch.setattr(moe_module, "_grouped_mm_runs", lambda device_type, dtype: False)
+    per_group = moe_op(*args)
+    torch.testing.assert_close(per_group, grouped, rtol=0, atol=0)
+
+
+class _MatmulFlops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Sums 2*M*N*K over mm/bmm/matmul-like aten calls, grouped_mm included (all rows real)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten._grouped_mm.default):
+            a, b = args[0], args[1]
+            batch = b.shape[0] if func is torch.ops.aten.bmm.default else 1
+            self.flops += 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+        return out
+
+
+@pytest.mark.parametrize("num_experts", [8, 64])
+def test_grouped_moe_work_is_proportional_to_routed_rows(num_experts):
+    """Matmul FLOPs are exactly the routed rows' (T*k rows through gate_up and down), whatever
+    the number of experts; the oracle's grow with E."""
+    routing = ROUTINGS[0]  # greedy softmax, top-3
+    num_tokens, top_k = 4, routing[5]
+    args = random_moe_args(num_tokens, num_experts, HIDDEN, INTER, routing)
+    with _MatmulFlops() as grouped:
+        op_body("mlagraph::moe")(*args)  # the op's body, so the mode sees the aten calls inside
+    assert grouped.flops == 2 * num_tokens * top_k * (HIDDEN * 2 * INTER + INTER * HIDDEN)
+    with _MatmulFlops() as oracle:
+        moe_all_experts(*args)
+    assert oracle.flops == grouped.flops * num_experts // top_k
+
+
+def test_grouped_moe_has_no_host_sync():
+    with helpers.NoHostSync() as mode:
+        out = moe_op(*random_moe_args(5, E, HIDDEN, INTER, ROUTINGS[3], torch.bfloat16))
+    assert "mlagraph::moe" in mode.ops_seen and torch.isfinite(out).all()
+
+
+FP8_D, FP8_I = 160, 136  # ragged 128-blocks: gate_up [E, 272, 160] -> 3 x 2 scales, down 2 x 2
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fp8_experts_equal_their_dequantized_weights(dtype, tol):
+    """fp8 experts compute with exactly the weights their blocks stand for (float64 loop too)."""
+    args = random_moe_args(5, E, FP8_D, FP8_I, ROUTINGS[3], dtype, fp8=True)
+    gate_up = dequantize_blockwise(args[2], args[12], torch.float32)
+    down = dequantize_blockwise(args[3], args[13], torch.float32)
+    deq_args = (*args[:2], gate_up.to(dtype), down.to(dtype), *args[4:12])
+    out = moe_op(*args)
+    torch.testing.assert_close(out, moe_op(*deq_args), rtol=0, atol=0)
+    torch.testing.assert_close(out.float(), moe_all_experts(*args).float(), rtol=tol, atol=tol * out.abs().max().item())
+    expected = loop_moe(args[0], gate_up, down, *route(args[1], *args[4:12]))
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_opcheck_fp8_experts(dtype):
+    helpers.opcheck(moe_op, random_moe_args(4, E, FP8_D, FP8_I, ROUTINGS[3], dtype, fp8=True))
+
+
+def _fp8_moe_error_cases():
+    base = random_moe_args(4, E, FP8_D, FP8_I, ROUTINGS[3], fp8=True)
+
+    def args(**over):
+        a = list(base)
+        for i, v in over.items():
+            a[int(i[1:])] = v
+        return tuple(a)
+
+    gu, down, gs, ds = base[2], base[3], base[12], base[13]
+    return [
+        ("down_scale", args(a13=None)),  # one scale without the other
+        ("gate_up_scale", args(a12=None)),
+        ("gate_up_proj", args(a2=gu.float())),  # scales given, weights not fp8
+        ("down_proj", args(a3=down.to(torch.float8_e5m2))),
+        ("gate_up_scale", args(a12=gs[:, :-1])),  # one 128-row block short
+        ("gate_up_scale", args(a12=gs[..., :1])),
+        ("down_scale", args(a13=ds[:-1])),  # expert count
+        ("down_scale", args(a13=ds.double())),
+        ("down_scale", args(a13=ds.to("meta"))),
+        ("gate_up_proj", args(a12=None, a13=None)),  # fp8 weights without scales
+    ]
+
+
+@pytest.mark.parametrize("arg,args", _fp8_moe_error_cases())
+def test_moe_bad_fp8_input(arg, args):
+    helpers.assert_value_error(moe_op, args, helpers.arg_error(arg))
+
+
 @pytest.mark.gpu
 def test_moe_cuda_graph_capture():
     """The op captures in a CUDA graph (no host syncs) and replays on new tokens."""
@@ -276,3 +409,44 @@ def test_moe_cuda_graph_capture():
     args[1].copy_(torch.randn_like(args[1]))
     graph.replay()
     torch.testing.assert_close(out, moe_op(*args), rtol=1e-5, atol=1e-5)
+
+
+def _cuda(args):
+    return tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+@pytest.mark.gpu
+def test_grouped_mm_runs_on_cuda_bf16():
+    """The H200 runs F.grouped_mm for bfloat16 (ANCHORS.md), so the model's moe is the grouped
+    path there, not the all-experts fallback."""
+    assert moe_module._grouped_mm_runs("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("num_tokens", [1, 256, 2048])
+def test_grouped_moe_matches_oracle_at_v3_dims(num_tokens, fp8):
+    """DeepSeek-V3's MoE layer: 256 experts of [2*2048, 7168], top-8 of 8 groups (4 kept).
+    fp8 at 2048 tokens (64 rows per expert) also quantizes the activations per 1x128 group
+    (W8A8), which adds e4m3's rounding of them: 2e-2 there, 1e-2 elsewhere."""
+    from benchmarks.common import V3_MOE, moe_layer_args
+
+    args = moe_layer_args(num_tokens, device="cuda", fp8=fp8, **V3_MOE)
+    out = moe_op(*args)
+    want = moe_all_experts(*args).float()
+    rel = (out.float() - want).norm() / want.norm()
+    assert out.dtype == torch.bfloat16 and rel < (2e-2 if fp8 and num_tokens == 2048 else 1e-2), rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_grouped_moe_cuda_graph_capture(fp8):
+    """bf16 (the grouped path) and fp8 experts capture and replay on new tokens and routes."""
+    args = _cuda(random_moe_args(16, E, FP8_D, FP8_I, ROUTINGS[3], torch.bfloat16, fp8=fp8))
+    graph, out = capture_cuda_graph(lambda: moe_op(*args))
+    args[0].copy_(torch.randn_like(args[0]))
+    args[1].copy_(torch.randn_like(args[1]))
+    graph.replay()
+    torch.testing.assert_close(out, moe_op(*args), rtol=0, atol=0)
+    want = moe_all_experts(*args).float()
+    assert ((out.float() - want).norm() / want.norm()) < 1e-2

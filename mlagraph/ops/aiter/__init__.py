@@ -36,9 +36,9 @@ interpreter when ``TRITON_INTERPRET=1`` was set before they are first loaded.
 from __future__ import annotations
 
 from .. import cache as _cache, decode as _decode
-from ..backends import GENERIC_OPS, Backend, Capabilities, register
+from ..backends import GENERIC_OPS, Backend, Capabilities, op_names_for, register
 from ..twins import define_twin
-from ..triton import NAMESPACE as _TRITON_NAMESPACE
+from .. import triton as _triton  # noqa: F401  (registered first: aiter falls back to it)
 from ._loader import INSTALL_HINT, PACKAGE, available, load
 
 __all__ = ["AITER", "CAPABILITIES", "EMPTY_K_SHAPE", "FALLBACKS", "INSTALL_HINT", "NAMESPACE", "OP_NAMES", "PACKAGE",
@@ -110,7 +110,6 @@ for _generic, (_check, _fake) in _OPS.items():
 
 # Every generic op without an aiter kernel, and the backend whose op it runs.
 FALLBACKS = {g: "triton" for g in GENERIC_OPS if g not in _OPS and g != "moe"} | {"moe": "reference"}
-_FALLBACK_NAMESPACES = {"triton": _TRITON_NAMESPACE, "reference": "mlagraph"}
 
 CAPABILITIES = Capabilities(
     # aiter's decode reads unquantized rows only (no scale input): the only layout a model on
@@ -120,7 +119,6 @@ CAPABILITIES = Capabilities(
     fused_rope_cache=True,
     fused_applies_rope=True,  # it rotates q_pe and k_pe itself: nothing else may
     fused_writes_cache=True,  # it writes the latent cache itself
-    fused_returns_q=True,  # q = [q_nope | rope(q_pe)], a new [T, H, Dn + R] tensor
     fused_returns_k=False,  # its K output is empty ([0]): no consumer may read it
     decode_q_split=False,  # q concatenated [B, H, L + R], unit last stride
     multi_token_decode=False,  # s_q == 1 only
@@ -137,10 +135,7 @@ CAPABILITIES = Capabilities(
     fallbacks=FALLBACKS,
 )
 
-OP_NAMES = {
-    **{g: f"{NAMESPACE}::{g}" for g in _OPS},
-    **{g: f"{_FALLBACK_NAMESPACES[b]}::{g}" for g, b in FALLBACKS.items()},
-}
+OP_NAMES = op_names_for(NAMESPACE, _OPS, FALLBACKS)
 
 
 def make_backend() -> Backend:

@@ -20,7 +20,7 @@ loads aiter's compiled ROCm extensions and fails without ROCm.
 aiter's per-architecture config JSONs are AMD-only: callers pass configs for the device.
 
 Which platform path is taken depends only on the installed torch build, never on environment
-variables or module flags (DESIGN.md, lesson 1). The ``aiter`` backend (:mod:`mlagraph.ops.aiter`)
+variables or module flags (docs/design.md rule 1). The ``aiter`` backend (:mod:`mlagraph.ops.aiter`)
 and the benchmark peers (benchmarks/aiter_peers.py) load aiter through this module; both
 ``load`` and ``available`` are re-exported as ``mlagraph.ops.aiter.load`` / ``.available``.
 """

@@ -57,9 +57,10 @@ import torch
 
 from .. import layouts
 from . import EMPTY_K_SHAPE
+from ..triton._hardware import H200_SMS, hardware
 from ..triton._launch import check_runnable
 from ._loader import load
-_SM_TARGET = 264  # stage-1 programs to aim for: two waves of an H200's 132 SMs
+_WAVES = 2  # stage-1 programs to aim for per SM
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,13 +139,13 @@ class DecodeConfig:
         }
 
 
-def default_decode_config(batch: int, heads: int, max_len: int) -> DecodeConfig:
-    """Splits from shapes only: enough stage-1 programs for two waves of 132 SMs, at most 16
+def default_decode_config(batch: int, heads: int, max_len: int, num_sms: int = H200_SMS) -> DecodeConfig:
+    """Splits from shapes only: enough stage-1 programs for two waves of the SMs, at most 16
     splits, and no split shorter than 4 blocks of the table's capacity (``max_len``, not the
     actual lengths, which only the device knows)."""
     base = DecodeConfig()
     programs = max(1, batch * math.ceil(heads / base.block_h))
-    splits = min(math.ceil(_SM_TARGET / programs), 16, max(1, max_len // (4 * base.block_n)))
+    splits = min(math.ceil(_WAVES * num_sms / programs), 16, max(1, max_len // (4 * base.block_n)))
     return dataclasses.replace(base, num_kv_splits=max(1, splits))
 
 
@@ -199,7 +200,7 @@ def mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, sof
         return out.unsqueeze(1), q_nope.new_empty((0, 1, heads), dtype=torch.float32)
     pages, page_size, width = kv_cache.shape
     max_len = block_table.shape[1] * page_size
-    default = default_decode_config(batch, heads, max_len)
+    default = default_decode_config(batch, heads, max_len, hardware(q_nope.device).num_sms)
     config = config or default
     splits = config.num_kv_splits or default.num_kv_splits
     # The kernel multiplies a loaded index by the row stride in the index's integer type.

@@ -27,7 +27,7 @@ import importlib.util
 # Aliased: the kernel modules below share these names (mlagraph.ops.triton.decode is ours).
 from .. import cache as _cache, decode as _decode, indexer as _indexer, prefill as _prefill, rope as _rope
 from .. import sparse as _sparse
-from ..backends import GENERIC_OPS, Backend, Capabilities, register
+from ..backends import GENERIC_OPS, Backend, Capabilities, op_names_for, register
 from ..twins import define_twin
 
 NAMESPACE = "mlagraph_triton"
@@ -55,6 +55,7 @@ for _generic, (_module, _check, _fake) in _OPS.items():
     define_twin(NAMESPACE, _generic, _check, _fake, f"{__name__}.{_module}")
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
+_FALLBACKS = {"moe": "reference"}  # no kernel of ours: the reference op
 
 TRITON = register(
     Backend(
@@ -67,7 +68,6 @@ TRITON = register(
             fused_rope_cache=True,
             fused_applies_rope=True,
             fused_writes_cache=True,
-            fused_returns_q=True,
             fused_returns_k=True,
             decode_q_split=True,
             multi_token_decode=True,
@@ -78,9 +78,9 @@ TRITON = register(
             cuda_graph_safe=frozenset(GENERIC_OPS),
             # One request without a prefix: cuDNN's fused attention (mha_prefill's single_request).
             dense_prefill_sdpa=True,
-            fallbacks={"moe": "reference"},
+            fallbacks=_FALLBACKS,
         ),
-        op_names={**{g: f"{NAMESPACE}::{g}" for g in _OPS}, "moe": "mlagraph::moe"},
+        op_names=op_names_for(NAMESPACE, _OPS, _FALLBACKS),
         available=_HAVE_TRITON,
         reason="" if _HAVE_TRITON else "the 'triton' package is not installed (pip install triton)",
     )

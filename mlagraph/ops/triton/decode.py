@@ -39,7 +39,6 @@ takes an override for benchmark sweeps. L and R must be powers of two (DeepSeek:
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -47,6 +46,7 @@ import triton
 import triton.language as tl
 
 from ._fp8 import from_fp8_bits
+from ._hardware import H200_SMS, hardware, interpreted
 from ._launch import check_runnable
 
 _LAYOUT_IDS = {"bf16": 0, "fp8": 1, "fp8_ds": 2}
@@ -252,11 +252,10 @@ def _combine_kernel(
 # configuration
 
 
-@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the CPU interpreter runs programs one by one: a few splits at most
+    if interpreted(_split_kernel):
+        return 4  # the CPU interpreter runs programs one by one: a few splits at most
+    return hardware(device).num_sms
 
 
 def _pick_splits(base: int, slots: int, cap: int) -> int:
@@ -271,7 +270,7 @@ def _pick_splits(base: int, slots: int, cap: int) -> int:
 
 
 def default_config(batch: int, rows: int, max_len: int, kv_lora_rank: int, layout: str, q_dtype: torch.dtype,
-                   num_sms: int = 132) -> dict:
+                   num_sms: int = H200_SMS) -> dict:
     """Block sizes, warps, stages and MAX_SPLITS from shapes only (numbers from compiling for
     sm_90 offline: registers, spills, shared memory; not yet timed).
 

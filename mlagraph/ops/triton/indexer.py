@@ -57,13 +57,13 @@ and ``indexer_cache_write(..., config=...)`` take an override for benchmark swee
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from ._fp8 import from_fp8_bits, to_fp8_bits
+from ._hardware import hardware, interpreted
 from ._launch import check_runnable
 
 _INT_MAX: tl.constexpr = tl.constexpr(2**31 - 1)  # no request has this id
@@ -89,11 +89,6 @@ class IndexerConfig:
     # kernel wrote shows up as a NaN pick
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # H200; on CPU (interpreter) it only shapes the grid
 
 
 def _pow2_at_least(n: int, low: int = 1) -> int:
@@ -307,7 +302,7 @@ def _scores(q, weights, k_cache, req_ids, positions, block_table, layout, width,
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
         req_ids.stride(0), positions.stride(0), block_table.stride(0), block_table.stride(1),
         row_stride, cache.stride(2), out.stride(0),
-        FP8=fp8, DOT_F32=dot_f32, INTERPRETED=q.device.type == "cpu", ALIGN=align,
+        FP8=fp8, DOT_F32=dot_f32, INTERPRETED=interpreted(_logits_kernel), ALIGN=align,
         SCALE_F32=scale_f32, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_STAGES=num_stages, FILL=fill, MIN_BLOCKS=min_blocks,
         num_warps=num_warps,
@@ -440,7 +435,7 @@ def indexer_topk(q, weights, k_cache, req_ids, positions, block_table, layout, t
     max_len = block_table.shape[1] * k_cache.shape[1]
     width = max(max_len, topk)
     chunk = max(1, cfg.max_scores // width)  # bounds the scores buffer for long prefills
-    num_sms = _num_sms(q.device)
+    num_sms = hardware(q.device).num_sms
     use_torch = cfg.topk_impl == "torch" or triton.next_power_of_2(topk) > cfg.max_sort
     for t0 in range(0, num_tokens, chunk):
         t1 = min(num_tokens, t0 + chunk)

@@ -47,12 +47,13 @@ import triton.language as tl
 
 from .. import layouts
 from ._fp8 import from_fp8_bits, to_fp8_bits
+from ._hardware import H200_SMS, hardware
 from ._launch import check_runnable
 
 _LAYOUT_ID = {"bf16": 0, "fp8": 1, "fp8_ds": 2}
 _NO_CACHE = -1  # the rope op: rotate only
 _GROUP = layouts.DS_GROUP
-_TARGET_PROGRAMS = 4 * 132  # enough programs to fill an H200's 132 SMs several times over
+_WAVES = 4  # aim for this many programs per SM: enough to fill the device several times over
 _Q_TILE_BYTES = 9 * 1024  # q bytes per program: ~8 independent 16-byte loads per thread at 4 warps
 
 
@@ -284,11 +285,12 @@ def _floor_pow2(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-def rope_cache_config(num_tokens: int, num_heads: int, nope_dim: int, rope_dim: int, itemsize: int) -> dict:
+def rope_cache_config(num_tokens: int, num_heads: int, nope_dim: int, rope_dim: int, itemsize: int,
+                      num_sms: int = H200_SMS) -> dict:
     """Default launch config of the rope / fused kernel (a benchmark may override any key).
 
     block_h: heads per q program, a power of two <= 16: the largest whose q rows stay within
-    ~_Q_TILE_BYTES, halved while there are fewer than ~_TARGET_PROGRAMS programs. Decode with
+    ~_Q_TILE_BYTES, halved while there are fewer than _WAVES programs per SM. Decode with
     Dn=512, R=64, bf16: B=128 -> 8 (2048 q programs of 9 KB, 4 warps, ~56 registers on sm_90);
     B=1 -> 1 (128 one-warp programs: a latency-bound launch wants them short). block_dn:
     q_nope columns per loop step (<= 512). num_warps: one per ~2 KB of the q tile (<= 8).
@@ -296,18 +298,18 @@ def rope_cache_config(num_tokens: int, num_heads: int, nope_dim: int, rope_dim: 
     row_bytes = (_pow2(nope_dim) + _pow2(rope_dim)) * itemsize
     block_h = 16
     while block_h > 1 and (block_h * row_bytes > _Q_TILE_BYTES
-                           or num_tokens * triton.cdiv(num_heads, block_h) < _TARGET_PROGRAMS):
+                           or num_tokens * triton.cdiv(num_heads, block_h) < _WAVES * num_sms):
         block_h //= 2
     block_dn = min(_pow2(max(nope_dim, 16)), 512)
     num_warps = min(_floor_pow2(block_h * row_bytes // 2048), 8)
     return {"block_h": block_h, "block_dn": block_dn, "num_warps": num_warps, "num_stages": 1}
 
 
-def cache_read_config(num_tokens: int, kv_lora_rank: int) -> dict:
+def cache_read_config(num_tokens: int, kv_lora_rank: int, num_sms: int = H200_SMS) -> dict:
     """Default launch config of the reader: ~4096 latent values per program (BLOCK_N rows),
     fewer rows when that would leave too few programs."""
     block_n = min(max(_floor_pow2(4096 // _pow2(kv_lora_rank)), 1), 64)
-    while block_n > 1 and triton.cdiv(num_tokens, block_n) < _TARGET_PROGRAMS:
+    while block_n > 1 and triton.cdiv(num_tokens, block_n) < _WAVES * num_sms:
         block_n //= 2
     return {"block_n": block_n, "num_warps": 4, "num_stages": 1}
 
@@ -339,7 +341,7 @@ def _rope_concat(q_nope, q_pe, kv_c, k_pe, positions, cos_sin_cache, kv_cache, s
     k = torch.empty((t, 1, r), dtype=q_pe.dtype, device=q_pe.device)
     if t == 0:
         return q, k
-    cfg = {**rope_cache_config(t, h, dn, r, q_pe.element_size()), **(config or {})}
+    cfg = {**rope_cache_config(t, h, dn, r, q_pe.element_size(), hardware(q_pe.device).num_sms), **(config or {})}
     if layout is None:
         layout_id, cache, latent = _NO_CACHE, q_pe, 1
         kv_c = k_pe[:, 0]  # unused placeholders for the cache arguments (k_pe always has a head)
@@ -406,7 +408,7 @@ def latent_cache_read(kv_cache, block_table, cu_seq_lens, scale, layout, rope_di
     if num_tokens == 0 or num_reqs == 0 or max_pages == 0:
         # No request (or no page) to read from: only broken metadata gets here with N > 0.
         return kv_c.zero_(), k_pe.zero_()
-    cfg = {**cache_read_config(num_tokens, latent), **(config or {})}
+    cfg = {**cache_read_config(num_tokens, latent, hardware(kv_cache.device).num_sms), **(config or {})}
     cache = _cache_view(kv_cache)
     grid = (triton.cdiv(num_tokens, cfg["block_n"]),)
     _cache_read_kernel[grid](

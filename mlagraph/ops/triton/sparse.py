@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from ..layouts import DS_GROUP
 from ._fp8 import from_fp8_bits
+from ._hardware import interpreted
 from ._launch import check_runnable
 from ._tl import dot as _dot
 
@@ -192,7 +192,7 @@ def sparse_mla(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale
         topk_indices.stride(0), block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
         L=latent, R=rope, B_L=_pow2(latent), B_R=_pow2(rope), LAYOUT=_LAYOUT_IDS[layout], DS_GROUP=DS_GROUP,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], PRECISION="ieee" if q_nope.dtype == torch.float32 else "tf32",
-        UPCAST=isinstance(_sparse_mla_kernel, InterpretedFunction),
+        UPCAST=interpreted(_sparse_mla_kernel),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse

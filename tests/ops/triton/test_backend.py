@@ -25,7 +25,7 @@ def test_capability_table():
     assert caps.latent_layouts == {"bf16", "fp8", "fp8_ds"} and caps.indexer_layouts == {"bf16", "fp8"}
     # Unlike aiter, its fused op returns K: nothing downstream has to avoid it.
     assert caps.fused_rope_cache and caps.fused_applies_rope and caps.fused_writes_cache
-    assert caps.fused_returns_q and caps.fused_returns_k
+    assert caps.fused_returns_k
     assert caps.decode_q_split and caps.multi_token_decode and caps.mha_over_prefix and caps.sparse_mla
     assert caps.cuda_graph_safe == frozenset(backends.GENERIC_OPS)
     assert dict(caps.fallbacks) == {"moe": "reference"}

@@ -1,0 +1,145 @@
+"""A grouped GEMM over fp8 block-scaled expert weights: what ``mlagraph::moe`` runs on CUDA
+for fp8 experts, so each routed expert's e4m3 weights are read once, as e4m3.
+
+    out[r, n] = sum_k x[r, k] * W[e(r), n, k] * scale[e(r), n // 128, k // 128]
+
+x [R, K] holds the rows sorted by expert; ``offs`` [E] int32 are the group ends (as for
+``F.grouped_mm``). W [E, N, K] e4m3, scale [E, ceil(N/128), ceil(K/128)] float32.
+
+Schedule (no host sync, no data-dependent shape): M tiles of BLOCK_M rows never straddle two
+experts, so an expert with c rows takes ceil(c / BLOCK_M) tiles and all of them together at most
+cdiv(R, BLOCK_M) + min(E, R): the grid's fixed M extent. :func:`tile_schedule` assigns tiles to
+(expert, first row, row end) with torch ops on the device; the tiles past the last real one see
+expert E and exit. Experts with no rows get no tile, so their weights are never read.
+
+Per tile, along K in steps of 128 (one scale block): load x [BLOCK_M, 128] and the expert's
+W [BLOCK_N, 128] bytes, dequantize W in registers (e4m3 -> float32, times the block scale of
+each column's 128-row block, rounded to x's dtype: the same numbers the reference's per-call
+dequantization makes), and accumulate ``x @ W.T`` in float32. Activations stay in x's dtype
+(W8A16): decode is bound by reading the weights, which this reads at 1 byte each. For large
+groups (prefill, :func:`fp8_activations_pay`) x is first quantized per 1x128 group and each
+block is one e4m3 x e4m3 tensor-core product scaled by both block scales (W8A8, DeepSeek's
+own recipe).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from ..fp8 import quantize_1x128
+from ._fp8 import from_fp8_bits
+from ._launch import check_runnable
+from ._tl import dot as _dot
+
+BLOCK_K = 128  # one fp8 scale block along K
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+@triton.jit
+def _grouped_fp8_kernel(
+    x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, N, K,
+    stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A_FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(tile_expert_ptr + pid_m)
+    if e < NUM_EXPERTS:
+        row0 = tl.load(tile_row0_ptr + pid_m)
+        row_end = tl.load(tile_row_end_ptr + pid_m)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok, col_ok = rows < row_end, cols < N
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        s_base = s_ptr + e.to(tl.int64) * stride_se + (cols // 128) * stride_sn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            x_mask, w_mask = row_ok[:, None] & k_ok[None, :], col_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0)
+            w8 = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0)
+            scale = tl.load(s_base + k0 // 128, mask=col_ok, other=0.0)  # [BLOCK_N]: one per column's block row
+            if A_FP8:  # e4m3 x e4m3 on the tensor cores, both scales applied to the block's product
+                x_scale = tl.load(xs_ptr + rows * stride_xs + k0 // 128, mask=row_ok, other=0.0)  # [BLOCK_M]
+                if UPCAST:  # the interpreter: exact float32 products of the e4m3 values
+                    part = tl.dot(from_fp8_bits(x), tl.trans(from_fp8_bits(w8)), input_precision="ieee")
+                else:
+                    part = tl.dot(x.to(tl.float8e4nv, bitcast=True), tl.trans(w8.to(tl.float8e4nv, bitcast=True)))
+                acc += part * x_scale[:, None] * scale[None, :]
+            else:  # weights dequantized in registers, x as it is
+                w = (from_fp8_bits(w8) * scale[:, None]).to(x.dtype)
+                acc = _dot(x, tl.trans(w), acc, PRECISION, UPCAST)
+        out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def tile_schedule(offs: torch.Tensor, num_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """offs [E] int32 group ends -> per M tile (expert, first row, row end), each [max_tiles]
+    int32 with max_tiles = cdiv(R, block_m) + min(E, R); unused tiles get expert E."""
+    num_experts = offs.shape[0]
+    ends = offs.long()
+    counts = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = tiles.cumsum(0)
+    max_tiles = -(-num_rows // block_m) + min(num_experts, num_rows)
+    pid = torch.arange(max_tiles, device=offs.device)
+    expert = torch.searchsorted(tile_end, pid, right=True)  # the first expert whose tiles end after pid
+    e = expert.clamp(max=num_experts - 1)
+    row0 = ends[e] - counts[e] + (pid - (tile_end[e] - tiles[e])) * block_m
+    return expert.int(), row0.int(), ends[e].int()
+
+
+def fp8_activations_pay(x: torch.Tensor, num_experts: int) -> bool:
+    """Whether to quantize the activations too (fp8 tensor cores): bfloat16 rows, K a whole
+    number of 128-groups, and groups large enough (64 rows per expert on average) for the GEMM
+    to be compute-bound. A first guess, to be tuned on the H200."""
+    return x.dtype == torch.bfloat16 and x.shape[1] % BLOCK_K == 0 and x.shape[0] >= 64 * num_experts
+
+
+def grouped_fp8_mm(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, quantize_activations: bool = False
+) -> torch.Tensor:
+    """x [R, K] (rows sorted by expert, float32/bfloat16/float16), w [E, N, K] e4m3, scale
+    [E, ceil(N/128), ceil(K/128)] float32, offs [E] int32 group ends (offs[-1] == R) -> [R, N]
+    in x's dtype. ``quantize_activations`` (K % 128 == 0): x quantized per 1x128 group to e4m3
+    first, as DeepSeek's fp8 GEMM does (adds e4m3's rounding of x)."""
+    check_runnable("moe", _grouped_fp8_kernel, x, namespace="mlagraph")
+    num_rows, k = x.shape
+    num_experts, n = w.shape[:2]
+    out_dtype = x.dtype
+    x = x if x.stride(1) == 1 else x.contiguous()
+    x_scale = x.new_empty(0, dtype=torch.float32)  # unused without quantize_activations
+    if quantize_activations:
+        x8, x_scale = quantize_1x128(x)
+        x = x8.view(torch.uint8)
+    w8 = w.view(torch.uint8)
+    if w8.stride(2) != 1:
+        w8 = w8.contiguous()
+    interpreted = isinstance(_grouped_fp8_kernel, InterpretedFunction)
+    # decode-sized groups (a few rows per expert) waste less of a small M tile
+    block_m = 16 if interpreted or num_rows <= 4 * num_experts else 64
+    expert, row0, row_end = tile_schedule(offs, num_rows, block_m)
+    # narrower N tiles when 128-wide ones would leave SMs idle (a decode-sized dense linear)
+    block_n = 32 if interpreted else 64 if expert.shape[0] * triton.cdiv(n, 128) < 2 * _sm_count(x.device) else 128
+    out = torch.empty(num_rows, n, dtype=out_dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    grid = (expert.shape[0], triton.cdiv(n, block_n))
+    _grouped_fp8_kernel[grid](
+        x, x_scale, w8, scale, out, expert, row0, row_end, n, k,
+        x.stride(0), x_scale.stride(0) if quantize_activations else 0, w8.stride(0), w8.stride(1), scale.stride(0),
+        scale.stride(1), out.stride(0),
+        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, A_FP8=quantize_activations,
+        PRECISION="ieee" if out_dtype == torch.float32 else "tf32", UPCAST=interpreted,
+    )
+    return out
