@@ -162,3 +162,13 @@ def test_engine_constructor_names_bad_arguments(bare_model):
     ]:
         with pytest.raises(ValueError, match=match):
             _engine(bare_model, **kw)
+
+
+def test_numpy_and_torch_token_ids_are_prompts(bare_model):
+    import numpy as np
+    import torch
+
+    engine = _engine(bare_model)
+    want = engine.generate([[5, 9, 2], [7, 1]], max_new_tokens=3)
+    got = engine.generate([np.array([5, 9, 2]), [np.int64(7), torch.tensor(1)]], max_new_tokens=3)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
