@@ -52,17 +52,22 @@ def _prompts(seed: int) -> list[list[int]]:
     return [[rnd.randrange(VOCAB) for _ in range(n)] for n in (5, 17, 9)]
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="the triton / aiter engines run through Triton's CPU interpreter")
 @pytest.mark.skipif(not AITER_OK, reason="amd-aiter is not installed (pip install mlagraph[aiter])")
-def test_many_compiled_engines_in_one_process():
+@pytest.mark.parametrize("device, compile_backend", [
+    pytest.param("cpu", "mlagraph_eager", marks=pytest.mark.skipif(
+        not INTERPRETED, reason="the triton / aiter engines run through Triton's CPU interpreter")),
+    pytest.param("cuda", "mlagraph", marks=pytest.mark.gpu),  # Inductor, compiled kernels
+])
+def test_many_compiled_engines_in_one_process(device, compile_backend):
     """Nine compiled engines (V2 / V3 / V3.2; reference, triton and aiter; different dims and
     page sizes) generate one after the other, then the first generates again: every engine
     compiles exactly one graph per plan variant it runs, and the first one nothing more."""
     engines, first_tokens = [], None
     for i, (name, kind, dims, backend, page_size) in enumerate(ENGINES):
-        model = DeepseekForCausalLM.from_config(_config(kind, **dims), backend=backend, init_std=0.2, seed=i)
+        model = DeepseekForCausalLM.from_config(_config(kind, **dims), backend=backend, init_std=0.2, seed=i,
+                                                device=device)
         engine = Engine(model, max_num_seqs=4, max_model_len=64, page_size=page_size, compile=True,
-                        compile_backend="mlagraph_eager")
+                        compile_backend=compile_backend)
         outs = engine.generate(_prompts(i), max_new_tokens=3, ignore_eos=True)
         assert all(len(o.token_ids) == 3 for o in outs), name
         (step,) = engine.runner.compiled

@@ -24,24 +24,17 @@ own recipe).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from ..fp8 import quantize_1x128
 from ._fp8 import from_fp8_bits
+from ._hardware import hardware, interpreted
 from ._launch import check_runnable
 from ._tl import dot as _dot
 
 BLOCK_K = 128  # one fp8 scale block along K
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @triton.jit
@@ -125,12 +118,12 @@ def grouped_fp8_mm(
     w8 = w.view(torch.uint8)
     if w8.stride(2) != 1:
         w8 = w8.contiguous()
-    interpreted = isinstance(_grouped_fp8_kernel, InterpretedFunction)
+    in_interpreter = interpreted(_grouped_fp8_kernel)
     # decode-sized groups (a few rows per expert) waste less of a small M tile
-    block_m = 16 if interpreted or num_rows <= 4 * num_experts else 64
+    block_m = 16 if in_interpreter or num_rows <= 4 * num_experts else 64
     expert, row0, row_end = tile_schedule(offs, num_rows, block_m)
     # narrower N tiles when 128-wide ones would leave SMs idle (a decode-sized dense linear)
-    block_n = 32 if interpreted else 64 if expert.shape[0] * triton.cdiv(n, 128) < 2 * _sm_count(x.device) else 128
+    block_n = 32 if in_interpreter else 64 if expert.shape[0] * triton.cdiv(n, 128) < 2 * hardware(x.device).num_sms else 128
     out = torch.empty(num_rows, n, dtype=out_dtype, device=x.device)
     if num_rows == 0:
         return out
@@ -140,6 +133,6 @@ def grouped_fp8_mm(
         x.stride(0), x_scale.stride(0) if quantize_activations else 0, w8.stride(0), w8.stride(1), scale.stride(0),
         scale.stride(1), out.stride(0),
         NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, A_FP8=quantize_activations,
-        PRECISION="ieee" if out_dtype == torch.float32 else "tf32", UPCAST=interpreted,
+        PRECISION="ieee" if out_dtype == torch.float32 else "tf32", UPCAST=in_interpreter,
     )
     return out
