@@ -27,7 +27,7 @@ import importlib.util
 # Aliased: the kernel modules below share these names (mlagraph.ops.triton.decode is ours).
 from .. import cache as _cache, decode as _decode, indexer as _indexer, prefill as _prefill, rope as _rope
 from .. import sparse as _sparse
-from ..backends import GENERIC_OPS, Backend, Capabilities, register
+from ..backends import GENERIC_OPS, V4_OPS, Backend, Capabilities, register
 from ..twins import define_twin
 
 NAMESPACE = "mlagraph_triton"
@@ -78,9 +78,9 @@ TRITON = register(
             cuda_graph_safe=frozenset(GENERIC_OPS),
             # One request without a prefix: cuDNN's fused attention (mha_prefill's single_request).
             dense_prefill_sdpa=True,
-            fallbacks={"moe": "reference"},
+            fallbacks={"moe": "reference", **{g: "reference" for g in V4_OPS}},
         ),
-        op_names={**{g: f"{NAMESPACE}::{g}" for g in _OPS}, "moe": "mlagraph::moe"},
+        op_names={**{g: f"{NAMESPACE}::{g}" for g in _OPS}, **{g: f"mlagraph::{g}" for g in ("moe", *V4_OPS)}},
         available=_HAVE_TRITON,
         reason="" if _HAVE_TRITON else "the 'triton' package is not installed (pip install triton)",
     )
