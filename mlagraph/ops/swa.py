@@ -105,6 +105,9 @@ def sink_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], keys [T, S, D] float32 (also the values), visible [T, S], sinks [H] float32
     -> out [T, H, D] in q's dtype, lse [T, H] float32 (the sink counted in)."""
+    # A key that is not visible may be a row nobody wrote (an entry still open): zero it, as
+    # its zero weight times NaN would still be NaN.
+    keys = torch.where(visible[..., None], keys, 0.0)
     scores = torch.einsum("thd,tsd->ths", q.float(), keys) * softmax_scale
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     sink = sinks.float()[None, :, None].expand(scores.shape[0], -1, 1)
