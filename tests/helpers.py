@@ -97,7 +97,7 @@ def _op_bodies() -> dict[str, Callable]:
     import importlib
 
     bodies = {}
-    for mod in ("rope", "cache", "decode", "prefill", "sparse", "indexer", "moe", "swa", "compressor", "moe_v4"):
+    for mod in ("rope", "cache", "decode", "prefill", "sparse", "indexer", "moe", "swa", "swa_decode", "compressor", "moe_v4"):
         module = importlib.import_module(f"mlagraph.ops.{mod}")
         for value in vars(module).values():
             if isinstance(value, torch._library.custom_ops.CustomOpDef):

@@ -149,7 +149,8 @@ class V4Attention(nn.Module):
             if self.kind == CSA:
                 self.compressor.indexer = Indexer(cfg, backend)
         self._rope, self._write = backend.op("rope"), backend.op("swa_cache_write")
-        self._attend = backend.op({SLIDING: "swa_attention", CSA: "csa_attention", HCA: "hca_attention"}[self.kind])
+        kind = {SLIDING: "swa", CSA: "csa", HCA: "hca"}[self.kind]
+        self._attend, self._decode = backend.op(f"{kind}_attention"), backend.op(f"{kind}_decode")
 
     def forward(self, x: torch.Tensor, batch: Batch, cos_sin: torch.Tensor, cache: V4LayerCache) -> torch.Tensor:
         """x [T, D] -> [T, D]. ``cos_sin``: the layer's RoPE table (main or compress)."""
@@ -160,21 +161,33 @@ class V4Attention(nn.Module):
         q, kv = rotate_tail(self._rope, q, batch.positions, cos_sin, kv)
         self._write(kv[:, 0], cache.window, batch.slot_mapping)
 
-        common = (batch.positions, batch.req_ids, batch.block_table, self.window)
-        if self.kind == SLIDING:
-            out, _ = self._attend(q, cache.window, self.sinks, *common, self.softmax_scale)
-        else:
+        topk = None
+        if self.kind != SLIDING:
             self.compressor(x, batch, cos_sin, cache.state, cache.compressed)
-            if self.kind == HCA:
-                out, _ = self._attend(q, cache.window, cache.compressed, self.sinks, *common, self.rate,
-                                      self.softmax_scale)
-            else:
+            if self.kind == CSA:
                 topk = self.compressor.indexer.select(x, q_lora, batch, cos_sin, cache)  # [T, K]
-                out, _ = self._attend(q, cache.window, cache.compressed, topk, self.sinks, *common, self.rate,
-                                      self.softmax_scale)
+        out = self._attention(q, batch, cache, topk)  # [T, H, Dh]
         # The values carry their keys' rotation; rotating the output back by the query's own
         # position leaves each entry's contribution a function of the relative distance.
         out = unrotate_tail(self._rope, out, batch.positions, cos_sin)  # [T, H, Dh]
         grouped = out.reshape(T, self.groups, -1)  # [T, G, H·Dh/G]
         w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])  # [G, o_lora_rank, H·Dh/G]
         return self.o_b_proj(torch.einsum("tgi,gri->tgr", grouped, w).flatten(1))
+
+    def _attention(self, q: torch.Tensor, batch: Batch, cache: V4LayerCache, topk: torch.Tensor | None) -> torch.Tensor:
+        """The layer type's attention, in its decode form when the plan says every request
+        decodes the same number of tokens (the batch is then B requests x s_q tokens, in order)."""
+        extra = () if self.kind == SLIDING else (cache.compressed,)
+        rate = () if self.kind == SLIDING else (self.rate,)
+        s_q = batch.plan.decode_q_len
+        if s_q:
+            B = batch.num_reqs
+            q4 = q.view(B, s_q, *q.shape[1:])
+            sel = () if topk is None else (topk.view(B, s_q, -1),)
+            out, _ = self._decode(q4, cache.window, *extra, *sel, self.sinks, batch.block_table, batch.seq_lens,
+                                  self.window, *rate, self.softmax_scale)
+            return out.flatten(0, 1)
+        sel = () if topk is None else (topk,)
+        out, _ = self._attend(q, cache.window, *extra, *sel, self.sinks, batch.positions, batch.req_ids,
+                              batch.block_table, self.window, *rate, self.softmax_scale)
+        return out

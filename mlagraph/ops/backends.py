@@ -24,12 +24,15 @@ from types import MappingProxyType
 
 import torch
 
-# DeepSeek-V4's attention, compressors and MoE (mlagraph.ops.swa, .compressor, .moe_v4).
+# DeepSeek-V4's attention, compressors and MoE (mlagraph.ops.swa, .swa_decode, .compressor, .moe_v4).
 V4_OPS = (
     "swa_cache_write",
     "swa_attention",
     "hca_attention",
     "csa_attention",
+    "swa_decode",
+    "hca_decode",
+    "csa_decode",
     "compressor_update",
     "csa_indexer_topk",
     "v4_moe",

@@ -19,7 +19,8 @@ keys s and the head's learned sink logit (a "key" with no value):
 Compressed entry ``i`` (rate m) pools tokens ``i·m .. i·m+m-1``, so token ``p`` may see it once
 its window closed: ``(i + 1)·m <= p + 1``. Every op takes the batch token-major (T tokens of
 any requests: prefill, chunked prefill and decode alike), reads the window and entries of each
-token's request through the block table, and has no data-dependent shape.
+token's request through the block table, and has no data-dependent shape. The decode forms
+(:mod:`.swa_decode`) take the same math batch-major, ``[B, s_q]`` queries per request.
 """
 
 from __future__ import annotations
@@ -63,26 +64,31 @@ def _swa_cache_write_fake(kv, kv_cache, slot_mapping) -> None:
 # shared by the three attentions
 
 
-def _check_common(op, q, kv_cache, sinks, positions, req_ids, block_table, window, softmax_scale) -> None:
-    check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    num_tokens, num_heads, head_dim = q.shape
-    dev = q.device
-    check_tensor(op, "kv_cache", kv_cache, shape=(None, None, head_dim), dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor(op, "sinks", sinks, shape=(num_heads,), dtypes=(torch.float32,), device=dev)
-    check_tensor(op, "positions", positions, shape=(num_tokens,), dtypes=INDEX_DTYPES, device=dev)
-    check_tensor(op, "req_ids", req_ids, shape=(num_tokens,), dtypes=(torch.int32,), device=dev)
-    check_tensor(op, "block_table", block_table, ndim=2, dtypes=(torch.int32,), device=dev)
+def check_queries(op, q, ndim, kv_cache, sinks, window, softmax_scale) -> None:
+    """q [..., H, D] with ``ndim`` dims, the window cache, the sinks and the scalars."""
+    check_tensor(op, "q", q, ndim=ndim, dtypes=FLOAT_DTYPES)
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    check_tensor(op, "kv_cache", kv_cache, shape=(None, None, head_dim), dtypes=FLOAT_DTYPES, device=q.device)
+    check_tensor(op, "sinks", sinks, shape=(num_heads,), dtypes=(torch.float32,), device=q.device)
     check_positive(op, "window", window)
     check_positive(op, "softmax_scale", softmax_scale)
 
 
-def _check_compressed(op, q, kv_cache, compressed_cache, compress_rate) -> None:
+def _check_common(op, q, kv_cache, sinks, positions, req_ids, block_table, window, softmax_scale) -> None:
+    check_queries(op, q, 3, kv_cache, sinks, window, softmax_scale)
+    dev = q.device
+    check_tensor(op, "positions", positions, shape=(q.shape[0],), dtypes=INDEX_DTYPES, device=dev)
+    check_tensor(op, "req_ids", req_ids, shape=(q.shape[0],), dtypes=(torch.int32,), device=dev)
+    check_tensor(op, "block_table", block_table, ndim=2, dtypes=(torch.int32,), device=dev)
+
+
+def check_compressed(op, q, kv_cache, compressed_cache, compress_rate) -> None:
     check_positive(op, "compress_rate", compress_rate)
     page_size = kv_cache.shape[1]
     if not v4.rates_compatible(page_size, compress_rate):
         fail(op, "compress_rate", f"a divisor or multiple of the page size {page_size}", compress_rate)
     rows = v4.entries_per_page(page_size, compress_rate)
-    check_tensor(op, "compressed_cache", compressed_cache, shape=(kv_cache.shape[0], rows, q.shape[2]),
+    check_tensor(op, "compressed_cache", compressed_cache, shape=(kv_cache.shape[0], rows, q.shape[-1]),
                  dtypes=FLOAT_DTYPES, device=q.device)
 
 
@@ -115,6 +121,35 @@ def sink_attention(
     probs = torch.exp(scores - lse[..., None])
     out = torch.einsum("ths,tsd->thd", probs, keys)
     return out.to(q.dtype).contiguous(), lse.contiguous()
+
+
+# The three attentions' math, token-major, without the checks (the decode forms reuse it).
+
+
+def swa_math(q, kv_cache, sinks, positions, req_ids, block_table, window, softmax_scale):
+    keys, visible = window_keys(kv_cache, positions, req_ids, block_table, window)
+    return sink_attention(q, keys, visible, sinks, softmax_scale)
+
+
+def hca_math(q, kv_cache, compressed_cache, sinks, positions, req_ids, block_table, window, compress_rate,
+             softmax_scale):
+    keys, visible = window_keys(kv_cache, positions, req_ids, block_table, window)
+    page_size = kv_cache.shape[1]
+    max_entries = block_table.shape[1] * page_size // compress_rate
+    entries = torch.arange(max_entries, device=q.device)[None, :]  # [1, E]: every entry the table addresses
+    slots = v4.entry_slots(block_table, req_ids[:, None], entries, page_size, compress_rate)
+    rows, written = v4.gather_rows(compressed_cache, slots)
+    seen = written & visible_entries(positions, entries, compress_rate)
+    return sink_attention(q, torch.cat([keys, rows], 1), torch.cat([visible, seen], 1), sinks, softmax_scale)
+
+
+def csa_math(q, kv_cache, compressed_cache, topk_indices, sinks, positions, req_ids, block_table, window,
+             compress_rate, softmax_scale):
+    keys, visible = window_keys(kv_cache, positions, req_ids, block_table, window)
+    slots = v4.entry_slots(block_table, req_ids[:, None], topk_indices, kv_cache.shape[1], compress_rate)
+    rows, written = v4.gather_rows(compressed_cache, slots)
+    seen = written & visible_entries(positions, topk_indices, compress_rate)
+    return sink_attention(q, torch.cat([keys, rows], 1), torch.cat([visible, seen], 1), sinks, softmax_scale)
 
 
 def _fake_out(q):
@@ -151,8 +186,7 @@ def swa_attention(
         no key (padding: no pages) gets out 0.
     """
     _check_swa(q, kv_cache, sinks, positions, req_ids, block_table, window, softmax_scale)
-    keys, visible = window_keys(kv_cache, positions, req_ids, block_table, window)
-    return sink_attention(q, keys, visible, sinks, softmax_scale)
+    return swa_math(q, kv_cache, sinks, positions, req_ids, block_table, window, softmax_scale)
 
 
 @swa_attention.register_fake
@@ -169,7 +203,7 @@ def _check_hca(q, kv_cache, compressed_cache, sinks, positions, req_ids, block_t
                softmax_scale) -> None:
     op = "hca_attention"
     _check_common(op, q, kv_cache, sinks, positions, req_ids, block_table, window, softmax_scale)
-    _check_compressed(op, q, kv_cache, compressed_cache, compress_rate)
+    check_compressed(op, q, kv_cache, compressed_cache, compress_rate)
 
 
 @torch.library.custom_op("mlagraph::hca_attention", mutates_args=())
@@ -190,14 +224,8 @@ def hca_attention(
     """
     _check_hca(q, kv_cache, compressed_cache, sinks, positions, req_ids, block_table, window, compress_rate,
                softmax_scale)
-    keys, visible = window_keys(kv_cache, positions, req_ids, block_table, window)
-    page_size = kv_cache.shape[1]
-    max_entries = block_table.shape[1] * page_size // compress_rate
-    entries = torch.arange(max_entries, device=q.device)[None, :]  # [1, E]
-    rows, written = v4.gather_rows(compressed_cache, v4.entry_slots(block_table, req_ids[:, None], entries, page_size,
-                                                                    compress_rate))
-    seen = written & visible_entries(positions, entries, compress_rate)
-    return sink_attention(q, torch.cat([keys, rows], 1), torch.cat([visible, seen], 1), sinks, softmax_scale)
+    return hca_math(q, kv_cache, compressed_cache, sinks, positions, req_ids, block_table, window, compress_rate,
+                    softmax_scale)
 
 
 @hca_attention.register_fake
@@ -216,7 +244,7 @@ def _check_csa(q, kv_cache, compressed_cache, topk_indices, sinks, positions, re
                compress_rate, softmax_scale) -> None:
     op = "csa_attention"
     _check_common(op, q, kv_cache, sinks, positions, req_ids, block_table, window, softmax_scale)
-    _check_compressed(op, q, kv_cache, compressed_cache, compress_rate)
+    check_compressed(op, q, kv_cache, compressed_cache, compress_rate)
     check_tensor(op, "topk_indices", topk_indices, shape=(q.shape[0], None), dtypes=(torch.int32,), device=q.device)
 
 
@@ -235,11 +263,8 @@ def csa_attention(
     """
     _check_csa(q, kv_cache, compressed_cache, topk_indices, sinks, positions, req_ids, block_table, window,
                compress_rate, softmax_scale)
-    keys, visible = window_keys(kv_cache, positions, req_ids, block_table, window)
-    slots = v4.entry_slots(block_table, req_ids[:, None], topk_indices, kv_cache.shape[1], compress_rate)
-    rows, written = v4.gather_rows(compressed_cache, slots)
-    seen = written & visible_entries(positions, topk_indices, compress_rate)
-    return sink_attention(q, torch.cat([keys, rows], 1), torch.cat([visible, seen], 1), sinks, softmax_scale)
+    return csa_math(q, kv_cache, compressed_cache, topk_indices, sinks, positions, req_ids, block_table, window,
+                    compress_rate, softmax_scale)
 
 
 @csa_attention.register_fake

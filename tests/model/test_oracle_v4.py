@@ -199,3 +199,26 @@ def test_compressed_rope_matters(v4):
     model = DeepseekForCausalLM.from_pretrained(path, progress=False)
     model.rope_compress = model.rope_main
     assert _max_diff(model, hf, ids) > 100 * TOL
+
+
+def test_steps_have_no_host_sync_and_decode_takes_the_decode_ops(v4):
+    """A prefill step runs the token-major attentions, a decode step their decode forms, both
+    without a host sync (so capturable), and the decode step's logits are the oracle's."""
+    from mlagraph.model import build_batch
+    from tests.helpers import NoHostSync
+
+    hf, path = v4
+    model = DeepseekForCausalLM.from_pretrained(path, progress=False)
+    caps = model.backend.capabilities
+    ids = _prompts(7, [14])[0]
+    pages = [3, 0, 5, 1]
+    caches = model.allocate_caches(8, 4)
+    with NoHostSync() as prefill_mode:
+        model(build_batch(caps, [ids[:-1]], [0], [pages], 4), caches)
+    with NoHostSync() as decode_mode:
+        logits = model(build_batch(caps, [ids[-1:]], [len(ids) - 1], [pages], 4, is_decode=[True]), caches)
+    for kind in ("swa", "hca", "csa"):
+        assert f"mlagraph::{kind}_attention" in prefill_mode.ops_seen and f"mlagraph::{kind}_decode" not in prefill_mode.ops_seen
+        assert f"mlagraph::{kind}_decode" in decode_mode.ops_seen and f"mlagraph::{kind}_attention" not in decode_mode.ops_seen
+    torch.testing.assert_close(torch.log_softmax(logits[0], -1), torch.log_softmax(hf_logits(hf, ids)[-1], -1),
+                               atol=TOL, rtol=0)
