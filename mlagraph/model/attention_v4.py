@@ -112,9 +112,13 @@ class Indexer(Compressor):
         self._rope, self._topk = backend.op("rope"), backend.op("csa_indexer_topk")
 
     def select(self, x: torch.Tensor, q_lora: torch.Tensor, batch: Batch, cos_sin: torch.Tensor,
-               cache: V4LayerCache) -> torch.Tensor:
-        """x [T, D], q_lora [T, Q] -> the entries each token attends: [T, index_topk] int32."""
-        self(x, batch, cos_sin, cache.index_state, cache.index_keys)  # the indexer's own keys first
+               cache: V4LayerCache) -> torch.Tensor | None:
+        """x [T, D], q_lora [T, Q] -> the entries each token attends: [T, index_topk] int32, or
+        None when the plan is dense (every request's entries fit index_topk: selecting would keep
+        them all). The indexer's keys are written either way: later sparse steps read them."""
+        self(x, batch, cos_sin, cache.index_state, cache.index_keys)
+        if batch.plan.dsa_dense:
+            return None
         q = self.q_b_proj(q_lora).view(-1, self.n_heads, self.head_dim)  # [T, Hi, Di]
         q, _ = rotate_tail(self._rope, q, batch.positions, cos_sin)
         weights = self.scorer.weights_proj(x).float() * self.n_heads**-0.5  # [T, Hi]
@@ -151,6 +155,8 @@ class V4Attention(nn.Module):
         self._rope, self._write = backend.op("rope"), backend.op("swa_cache_write")
         kind = {SLIDING: "swa", CSA: "csa", HCA: "hca"}[self.kind]
         self._attend, self._decode = backend.op(f"{kind}_attention"), backend.op(f"{kind}_decode")
+        # A CSA step whose selection would keep every entry attends them all, as HCA does.
+        self._attend_all, self._decode_all = backend.op("hca_attention"), backend.op("hca_decode")
 
     def forward(self, x: torch.Tensor, batch: Batch, cos_sin: torch.Tensor, cache: V4LayerCache) -> torch.Tensor:
         """x [T, D] -> [T, D]. ``cos_sin``: the layer's RoPE table (main or compress)."""
@@ -165,7 +171,7 @@ class V4Attention(nn.Module):
         if self.kind != SLIDING:
             self.compressor(x, batch, cos_sin, cache.state, cache.compressed)
             if self.kind == CSA:
-                topk = self.compressor.indexer.select(x, q_lora, batch, cos_sin, cache)  # [T, K]
+                topk = self.compressor.indexer.select(x, q_lora, batch, cos_sin, cache)  # [T, K] or None
         out = self._attention(q, batch, cache, topk)  # [T, H, Dh]
         # The values carry their keys' rotation; rotating the output back by the query's own
         # position leaves each entry's contribution a function of the relative distance.
@@ -175,19 +181,23 @@ class V4Attention(nn.Module):
         return self.o_b_proj(torch.einsum("tgi,gri->tgr", grouped, w).flatten(1))
 
     def _attention(self, q: torch.Tensor, batch: Batch, cache: V4LayerCache, topk: torch.Tensor | None) -> torch.Tensor:
-        """The layer type's attention, in its decode form when the plan says every request
-        decodes the same number of tokens (the batch is then B requests x s_q tokens, in order)."""
+        """The layer type's attention (all entries for a CSA layer without a selection), in its
+        decode form when the plan says every request decodes the same number of tokens (the
+        batch is then B requests x s_q tokens, in order)."""
         extra = () if self.kind == SLIDING else (cache.compressed,)
         rate = () if self.kind == SLIDING else (self.rate,)
+        dense_csa = self.kind == CSA and topk is None
         s_q = batch.plan.decode_q_len
         if s_q:
             B = batch.num_reqs
             q4 = q.view(B, s_q, *q.shape[1:])
             sel = () if topk is None else (topk.view(B, s_q, -1),)
-            out, _ = self._decode(q4, cache.window, *extra, *sel, self.sinks, batch.block_table, batch.seq_lens,
-                                  self.window, *rate, self.softmax_scale)
+            op = self._decode_all if dense_csa else self._decode
+            out, _ = op(q4, cache.window, *extra, *sel, self.sinks, batch.block_table, batch.seq_lens, self.window,
+                        *rate, self.softmax_scale)
             return out.flatten(0, 1)
         sel = () if topk is None else (topk,)
-        out, _ = self._attend(q, cache.window, *extra, *sel, self.sinks, batch.positions, batch.req_ids,
-                              batch.block_table, self.window, *rate, self.softmax_scale)
+        op = self._attend_all if dense_csa else self._attend
+        out, _ = op(q, cache.window, *extra, *sel, self.sinks, batch.positions, batch.req_ids, batch.block_table,
+                    self.window, *rate, self.softmax_scale)
         return out

@@ -58,8 +58,17 @@ class DeepseekV4Config:
     tie_word_embeddings: bool
     eos_token_id: int | None
 
-    # The engine asks these of every model: V4 has no DSA (V3.2) planning.
-    uses_dsa = False
+    @property
+    def uses_dsa(self) -> bool:
+        """CSA layers select entries with an indexer, so batches get the DSA plan (dense when
+        selecting would keep everything; the engine plans it from host lengths)."""
+        return CSA in self.layer_types
+
+    @property
+    def dsa_dense_max_kv_len(self) -> int:
+        """The longest request whose CSA selection keeps every entry: ``index_topk`` entries of
+        m tokens each, plus an open window (m - 1 tokens that close no entry yet)."""
+        return self.index_topk * self.csa_compress_rate + self.csa_compress_rate - 1
 
     @property
     def softmax_scale(self) -> float:
