@@ -189,11 +189,11 @@ class DeepseekV4Config:
             if bad:
                 raise ValueError(f"config: {name}: expected entries in {allowed}, got {bad}")
         if self.qk_rope_head_dim % 2 or not 0 < self.qk_rope_head_dim <= min(self.head_dim, self.index_head_dim):
-            raise ValueError(
-                f"config: qk_rope_head_dim: expected an even number <= head_dim and index_head_dim, got {self.qk_rope_head_dim}"
-            )
+            raise ValueError(f"config: qk_rope_head_dim: expected an even number <= head_dim and index_head_dim, "
+                             f"got {self.qk_rope_head_dim}")
         if (self.num_attention_heads * self.head_dim) % self.o_groups:
-            raise ValueError(f"config: o_groups: expected a divisor of num_attention_heads * head_dim, got {self.o_groups}")
+            raise ValueError(
+                f"config: o_groups: expected a divisor of num_attention_heads * head_dim, got {self.o_groups}")
         if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError(
                 f"config: num_experts_per_tok: expected 1..{self.n_routed_experts}, got {self.num_experts_per_tok}"

@@ -218,7 +218,8 @@ def test_steps_have_no_host_sync_and_decode_takes_the_decode_ops(v4):
     with NoHostSync() as decode_mode:
         logits = model(build_batch(caps, [ids[-1:]], [len(ids) - 1], [pages], 4, is_decode=[True]), caches)
     for kind in ("swa", "hca", "csa"):
-        assert f"mlagraph::{kind}_attention" in prefill_mode.ops_seen and f"mlagraph::{kind}_decode" not in prefill_mode.ops_seen
-        assert f"mlagraph::{kind}_decode" in decode_mode.ops_seen and f"mlagraph::{kind}_attention" not in decode_mode.ops_seen
+        token_major, batch_major = f"mlagraph::{kind}_attention", f"mlagraph::{kind}_decode"
+        assert token_major in prefill_mode.ops_seen and batch_major not in prefill_mode.ops_seen
+        assert batch_major in decode_mode.ops_seen and token_major not in decode_mode.ops_seen
     torch.testing.assert_close(torch.log_softmax(logits[0], -1), torch.log_softmax(hf_logits(hf, ids)[-1], -1),
                                atol=TOL, rtol=0)
