@@ -19,7 +19,7 @@ from ..ops import backends, layouts
 from ..ops.rope import rope_cos_sin_cache
 from .attention import KVCaches, MLAttention, RMSNorm
 from .batch import Batch
-from .config import DeepseekConfig, read_config_file
+from .config import DeepseekConfig, model_type_of, read_config_file
 
 
 class MLP(nn.Module):
@@ -106,7 +106,8 @@ class DeepseekForCausalLM(nn.Module):
     """DeepSeek-V2/V3/V3.2 over a paged latent cache.
 
     Build with :meth:`from_config` (random weights) or :meth:`from_pretrained` (a local Hugging
-    Face directory). ``forward(batch, caches)`` runs one engine step and returns float32 logits
+    Face directory); for ``model_type: deepseek_v4`` both return a
+    :class:`~mlagraph.model.deepseek_v4.DeepseekV4ForCausalLM` (same contract, other caches). ``forward(batch, caches)`` runs one engine step and returns float32 logits
     [len(batch.logits_indices), V]; the :class:`~mlagraph.model.Engine` makes batches and caches.
     """
 
@@ -152,6 +153,11 @@ class DeepseekForCausalLM(nn.Module):
         CUDA device the model is built and sampled there (a DeepSeek-V3-sized model in seconds),
         so its weights differ from the CPU model of the same seed.
         """
+        if model_type_of(hf_config) == "deepseek_v4":
+            from .deepseek_v4 import DeepseekV4ForCausalLM
+
+            return DeepseekV4ForCausalLM.from_config(hf_config, backend=backend, dtype=dtype, device=device,
+                                                     kv_cache_dtype=kv_cache_dtype, seed=seed, init_std=init_std)
         cfg = DeepseekConfig.from_hf(hf_config)
         std = init_std if init_std is not None else _initializer_range(hf_config)
         on_gpu = torch.device(device).type == "cuda"
@@ -187,6 +193,11 @@ class DeepseekForCausalLM(nn.Module):
         """
         from .loading import load_checkpoint
 
+        if model_type_of(path) == "deepseek_v4":
+            from .deepseek_v4 import DeepseekV4ForCausalLM
+
+            return DeepseekV4ForCausalLM.from_pretrained(path, backend=backend, dtype=dtype, device=device,
+                                                         kv_cache_dtype=kv_cache_dtype, progress=progress)
         cfg = DeepseekConfig.from_hf(path)
         model = cls(cfg, backend=backend, kv_cache_dtype=kv_cache_dtype)
         load_checkpoint(model, path, progress=progress, fp8_weights=fp8_weights, dtype=dtype)

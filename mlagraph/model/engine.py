@@ -110,8 +110,9 @@ class Engine:
         seed: seed of the sampler's generator (temperature > 0).
         compile_backend: with compile=True, "mlagraph" (Inductor) or "mlagraph_eager" (the
             same passes on the AOT graph, executed without code generation).
-        dsa_dense_max_kv_len: DSA models (V3.2) run a batch with dense attention when no
-            request's kv length exceeds this (default: index_topk, where dense is exact). Larger
+        dsa_dense_max_kv_len: DSA models (V3.2; V4's CSA) run a batch with dense attention when no
+            request's kv length exceeds this (default: where dense is exact, index_topk for V3.2,
+            the config's ``dsa_dense_max_kv_len`` when it has one). Larger
             values approximate DSA; 0 forces sparse.
         compile_options: more keyword arguments for :func:`mlagraph.compile` (``mode``,
             ``passes``, ``strict``, ``lint``, ``options``). A mode that makes Inductor capture
@@ -157,9 +158,10 @@ class Engine:
                 )
         elif cuda_graph_batch_sizes is not None:
             raise ValueError("Engine: cuda_graph_batch_sizes: given but cuda_graphs=False")
-        index_topk = model.config.index_topk
         if dsa_dense_max_kv_len is None:
-            dsa_dense_max_kv_len = index_topk
+            # The longest kv length whose sparse selection keeps every key, so dense is exact: the
+            # config says so where that is not index_topk (V4 selects compressed entries).
+            dsa_dense_max_kv_len = getattr(model.config, "dsa_dense_max_kv_len", model.config.index_topk)
         if not isinstance(dsa_dense_max_kv_len, int) or dsa_dense_max_kv_len < 0:
             raise ValueError(f"Engine: dsa_dense_max_kv_len: expected an int >= 0 or None, got {dsa_dense_max_kv_len!r}")
         self.dsa_dense_max_kv_len = dsa_dense_max_kv_len
