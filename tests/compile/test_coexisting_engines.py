@@ -13,7 +13,6 @@ import os
 import random
 
 import pytest
-import torch
 
 from mlagraph.model import DeepseekForCausalLM, Engine
 from mlagraph.ops import aiter as aiter_backend
