@@ -49,7 +49,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import V3_MOE, device_name, moe_floor_bytes, moe_layer_args  # noqa: E402
+from common import V3_MOE, device_name, median_time, moe_floor_bytes, moe_layer_args  # noqa: E402
 from e2e_decode import fill_latents, time_engine, version  # noqa: E402
 
 from mlagraph.model import DeepseekForCausalLM, Engine  # noqa: E402
@@ -164,21 +164,8 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(vocab, (n,), generator=g).tolist()
 
 
-def median_s(fn, iters: int, sync) -> float:
-    fn()  # warm-up (compiles this prompt length's graph)
-    times = []
-    for _ in range(iters):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def run_ours(args, ckpt: str, device, dtype, rows: list, meta: dict) -> DeepseekForCausalLM:
     cuda = device.type == "cuda"
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     t0 = time.perf_counter()
     model = DeepseekForCausalLM.from_pretrained(ckpt, backend=args.backend, dtype=dtype, device=device, progress=False)
     meta["ours_load_s"] = time.perf_counter() - t0
@@ -190,7 +177,7 @@ def run_ours(args, ckpt: str, device, dtype, rows: list, meta: dict) -> Deepseek
     vocab = model.config.vocab_size
     for n in args.prompts:
         prompt = random_prompt(n, vocab, seed=n)
-        s = median_s(lambda: engine.generate([prompt], max_new_tokens=1), args.iters, sync)
+        s = median_time(lambda: engine.generate([prompt], max_new_tokens=1), warmup=1, iters=args.iters)
         rows.append({"part": "ours", "kind": "prefill", "tokens": n, "ms": s * 1e3, "tok_s": n / s})
         print(f"[ours] prefill {n}: {s * 1e3:.1f} ms, {n / s:.0f} tok/s", flush=True)
     fill_latents(engine, seed=0)
@@ -225,11 +212,10 @@ def _cache_kw(hf, cache) -> dict:
 def run_hf(args, hf, device, rows: list) -> None:
     from transformers import DynamicCache
 
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     vocab = hf.config.vocab_size
     for n in args.prompts:
         ids = torch.tensor([random_prompt(n, vocab, seed=n)], device=device)
-        s = median_s(lambda: hf(input_ids=ids, logits_to_keep=1), args.iters, sync)
+        s = median_time(lambda: hf(input_ids=ids, logits_to_keep=1), warmup=1, iters=args.iters)
         rows.append({"part": "hf", "kind": "prefill", "tokens": n, "ms": s * 1e3, "tok_s": n / s})
         print(f"[hf] prefill {n}: {s * 1e3:.1f} ms, {n / s:.0f} tok/s", flush=True)
     ctx = args.context
@@ -249,7 +235,7 @@ def run_hf(args, hf, device, rows: list) -> None:
                     cache.crop(-extra)
                 hf(input_ids=step_ids, position_ids=positions, use_cache=True, **_cache_kw(hf, cache))
 
-            s = median_s(step, args.iters, sync)
+            s = median_time(step, warmup=1, iters=args.iters)
             row.update(ms=s * 1e3, tok_s=b / s)
             print(f"[hf] decode B={b}: {s * 1e3:.2f} ms ({b / s:.0f} tok/s)", flush=True)
         except torch.OutOfMemoryError as e:
@@ -278,7 +264,7 @@ def logprob_check(ours: DeepseekForCausalLM, hf, n: int = 64) -> dict:
 def time_call(fn, device, iters: int) -> float:
     """Seconds per call: CUDA-graph replays timed with events on CUDA, wall time elsewhere."""
     if device.type != "cuda":
-        return median_s(fn, iters, lambda: None)
+        return median_time(fn, warmup=1, iters=iters)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

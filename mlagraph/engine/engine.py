@@ -77,8 +77,9 @@ class Engine:
         seed: seed of the sampler's generator (temperature > 0).
         compile_backend: with compile=True, "mlagraph" (Inductor) or "mlagraph_eager" (the
             same passes on the AOT graph, executed without code generation).
-        dsa_dense_max_kv_len: DSA models (V3.2) run a batch with dense attention when no
-            request's kv length exceeds this (default: index_topk, where dense is exact). Larger
+        dsa_dense_max_kv_len: DSA models (V3.2; V4's CSA) run a batch with dense attention when no
+            request's kv length exceeds this (default: where dense is exact, index_topk for V3.2,
+            the config's ``dsa_dense_max_kv_len`` when it has one). Larger
             values approximate DSA; 0 forces sparse.
         compile_options: more keyword arguments for :func:`mlagraph.compile` (``mode``,
             ``passes``, ``strict``, ``lint``, ``options``). A mode that makes Inductor capture
@@ -102,14 +103,16 @@ class Engine:
     ):
         _check_args(model, max_num_seqs, max_model_len, page_size, compile, cuda_graphs, prefill_chunk_size,
                     num_pages, compile_backend, compile_options, cuda_graph_batch_sizes, progress, prefix_caching)
-        index_topk = model.config.index_topk
         if dsa_dense_max_kv_len is None:
-            dsa_dense_max_kv_len = index_topk
+            # The longest kv length whose sparse selection keeps every key, so dense is exact: the
+            # config says so where that is not index_topk (V4 selects compressed entries).
+            dsa_dense_max_kv_len = getattr(model.config, "dsa_dense_max_kv_len", model.config.index_topk)
         if not isinstance(dsa_dense_max_kv_len, int) or dsa_dense_max_kv_len < 0:
             raise ValueError(f"Engine: dsa_dense_max_kv_len: expected an int >= 0 or None, got {dsa_dense_max_kv_len!r}")
         self.dsa_dense_max_kv_len = dsa_dense_max_kv_len
         self.model = model
-        self.tokenizer = model.tokenizer
+        self.tokenizer = getattr(model, "tokenizer", None)  # models built by hand may carry none
+        self.eos_token_ids = tuple(getattr(model, "eos_token_ids", ()))
         self.max_num_seqs, self.max_model_len, self.page_size = max_num_seqs, max_model_len, page_size
         self.prefill_chunk_size = prefill_chunk_size
         pages_per_seq = math.ceil(max_model_len / page_size)
@@ -273,7 +276,7 @@ class Engine:
                                  f"max_model_len={self.max_model_len}")
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
-            stop_ids.update(self.model.eos_token_ids)
+            stop_ids.update(self.eos_token_ids)
         text = TextTracker(self.tokenizer, params.stop) if self.tokenizer is not None else None
         return Request(next(self._ids), list(ids), len(ids), params, frozenset(stop_ids), text)
 

@@ -1,9 +1,11 @@
-"""DeepSeek V2/V3/V3.2 over mlagraph ops: config, loading, layers and the step contract
+"""DeepSeek V2/V3/V3.2 and V4 over mlagraph ops: config, loading, layers and the step contract
 (batch metadata and the forward-method plan). The runtime lives in mlagraph.engine."""
 
 from .batch import Batch, BatchKind, BatchPlan, ForwardMethod, build_batch, choose_forward_method, plan_batch  # noqa: F401
 from .config import DeepseekConfig  # noqa: F401
+from .config_v4 import DeepseekV4Config  # noqa: F401
 from .deepseek import DeepseekForCausalLM  # noqa: F401
+from .deepseek_v4 import DeepseekV4ForCausalLM  # noqa: F401
 
 
 def __getattr__(name: str):

@@ -40,6 +40,12 @@ def read_config_file(hf: Any) -> Any:
     return hf
 
 
+def model_type_of(hf: Any) -> str | None:
+    """The ``model_type`` of a HF config (object, dict, or config.json path / its directory)."""
+    hf = read_config_file(hf)
+    return hf.get("model_type") if isinstance(hf, dict) else getattr(hf, "model_type", None)
+
+
 @dataclasses.dataclass(frozen=True)
 class DeepseekConfig:
     model_type: str
@@ -118,7 +124,8 @@ class DeepseekConfig:
         d = dict(hf)
         model_type = d.get("model_type", "deepseek_v3")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"config: model_type: expected one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+            hint = " (DeepSeek-V4 has its own config: mlagraph.model.config_v4)" if model_type == "deepseek_v4" else ""
+            raise ValueError(f"config: model_type: expected one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}{hint}")
 
         def need(key: str) -> Any:
             if d.get(key) is None:

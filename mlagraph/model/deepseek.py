@@ -19,7 +19,7 @@ from ..ops import backends, layouts
 from ..ops.rope import rope_cos_sin_cache
 from .attention import KVCaches, MLAttention, RMSNorm
 from .batch import Batch
-from .config import DeepseekConfig, read_config_file
+from .config import DeepseekConfig, model_type_of, read_config_file
 from .generation_config import eos_token_ids
 from .tokenizer import Tokenizer
 
@@ -108,7 +108,8 @@ class DeepseekForCausalLM(nn.Module):
     """DeepSeek-V2/V3/V3.2 over a paged latent cache.
 
     Build with :meth:`from_config` (random weights) or :meth:`from_pretrained` (a local Hugging
-    Face directory). ``forward(batch, caches)`` runs one engine step and returns float32 logits
+    Face directory); for ``model_type: deepseek_v4`` both return a
+    :class:`~mlagraph.model.deepseek_v4.DeepseekV4ForCausalLM` (same contract, other caches). ``forward(batch, caches)`` runs one engine step and returns float32 logits
     [len(batch.logits_indices), V]; the :class:`~mlagraph.model.Engine` makes batches and caches.
     """
 
@@ -166,6 +167,11 @@ class DeepseekForCausalLM(nn.Module):
         so its weights differ from the CPU model of the same seed.
         """
         dtype, device = _as_dtype(dtype), _as_device(device)
+        if model_type_of(hf_config) == "deepseek_v4":
+            from .deepseek_v4 import DeepseekV4ForCausalLM
+
+            return DeepseekV4ForCausalLM.from_config(hf_config, backend=backend, dtype=dtype, device=device,
+                                                     kv_cache_dtype=kv_cache_dtype, seed=seed, init_std=init_std)
         cfg = DeepseekConfig.from_hf(hf_config)
         std = init_std if init_std is not None else _initializer_range(hf_config)
         on_gpu = torch.device(device).type == "cuda"
@@ -209,6 +215,13 @@ class DeepseekForCausalLM(nn.Module):
 
         path = checkpoint_dir(path)
         dtype, device = _as_dtype(dtype), _as_device(device)
+        if model_type_of(path) == "deepseek_v4":
+            from .deepseek_v4 import DeepseekV4ForCausalLM
+
+            model = DeepseekV4ForCausalLM.from_pretrained(path, backend=backend, dtype=dtype, device=device,
+                                                          kv_cache_dtype=kv_cache_dtype, progress=progress)
+            model.tokenizer, model.eos_token_ids = Tokenizer.from_dir(path), eos_token_ids(path, model.config.vocab_size)
+            return model
         cfg = DeepseekConfig.from_hf(path)
         check_shards(checkpoint_files(path))
         tokenizer, eos = Tokenizer.from_dir(path), eos_token_ids(path, cfg.vocab_size)

@@ -8,7 +8,10 @@ On-disk names are the Hugging Face ones. Three things differ from our parameters
 - DeepSeek's own fp8 checkpoints store ``W`` as e4m3 with ``W.weight_scale_inv`` per 128x128
   block; those stay e4m3 (fp8_weights.py says which layers, and when) or are dequantized on load;
 - multi-token-prediction layers (``model.layers.{n}`` with n >= num_hidden_layers) and rotary
-  ``inv_freq`` buffers are not part of the model and are skipped.
+  ``inv_freq`` buffers are not part of the model and are skipped;
+- a model may rename on-disk keys: if it has a ``checkpoint_key(key)`` method, every key is
+  passed through it first (None: skip the tensor). DeepSeek-V4's checkpoints use DeepSeek's
+  own names (``layers.{i}.attn.wq_a.weight``, ...), see mlagraph.model.deepseek_v4.
 
 Anything else missing, unexpected or mis-shaped raises one ValueError naming every offender.
 """
@@ -30,6 +33,7 @@ from .fp8_weights import DEQUANTIZED_AT_LOAD, fp8_linear_for, keep_experts_fp8, 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MAX_LISTED = 20
+_CHECKPOINT_BUFFERS = ("e_score_correction_bias", "tid2eid")  # buffers a checkpoint holds (V4: hash routing)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -132,8 +136,9 @@ def load_checkpoint(
     params = dict(model.named_parameters())
     params.update(
         {n: b for n, b in model.named_buffers()
-         if n.endswith("e_score_correction_bias") or n.endswith("_scale_inv") or b.dtype == FP8_DTYPE}
+         if n.endswith(_CHECKPOINT_BUFFERS) or n.endswith("_scale_inv") or b.dtype == FP8_DTYPE}
     )
+    rename = getattr(model, "checkpoint_key", None) or (lambda key: key)
     tied = model.config.tie_word_embeddings
     expected = set(params) - ({"lm_head.weight"} if tied else set())
     loaded: set[str] = set()
@@ -143,15 +148,18 @@ def load_checkpoint(
         for file in files:
             with safe_open(file, framework="pt") as f:
                 keys = set(f.keys())
-                for key in sorted(keys):
-                    if key.endswith("weight_scale_inv") or key.endswith("rotary_emb.inv_freq"):
+                for disk_key in sorted(keys):
+                    if disk_key.endswith("weight_scale_inv") or disk_key.endswith("rotary_emb.inv_freq"):
+                        continue
+                    key = rename(disk_key)
+                    if key is None:
                         continue
                     m = _LAYER.match(key)
                     if m and int(m.group(1)) >= num_layers:
                         continue  # multi-token-prediction layers
-                    tensor, scale = f.get_tensor(key), None
+                    tensor, scale = f.get_tensor(disk_key), None
                     if tensor.dtype == FP8_DTYPE:
-                        scale_key = key + "_scale_inv"
+                        scale_key = disk_key + "_scale_inv"
                         if scale_key in keys:
                             scale = f.get_tensor(scale_key)
                         elif scale_key in scale_files:

@@ -24,6 +24,20 @@ from types import MappingProxyType
 
 import torch
 
+# DeepSeek-V4's attention, compressors and MoE (mlagraph.ops.swa, .swa_decode, .compressor, .moe_v4).
+V4_OPS = (
+    "swa_cache_write",
+    "swa_attention",
+    "hca_attention",
+    "csa_attention",
+    "swa_decode",
+    "hca_decode",
+    "csa_decode",
+    "compressor_update",
+    "csa_indexer_topk",
+    "v4_moe",
+)
+
 # The generic ops every backend provides (its own kernel, or a declared fallback).
 GENERIC_OPS = (
     "rope",
@@ -36,7 +50,7 @@ GENERIC_OPS = (
     "indexer_cache_write",
     "indexer_topk",
     "moe",
-)
+) + V4_OPS
 
 
 @dataclasses.dataclass(frozen=True)

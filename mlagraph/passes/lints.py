@@ -1,8 +1,11 @@
 """Graph lints: prove, per layer, what the field got wrong (docs/design.md, rules 1, 2 and 6).
 
 - ``lint_rope_once``: the main MLA q_pe and k_pe are rotated exactly once per layer (not
-  skipped, not twice: a rotation never feeds another rotation).
-- ``lint_write_once``: each layer writes its new tokens' latents to its cache exactly once.
+  skipped, not twice: a rotation never feeds another rotation); DeepSeek-V4's too: the K=V row
+  its window cache gets and the queries of its attention are rotated.
+- ``lint_write_once``: each layer writes its new tokens' latents to its cache exactly once,
+  and every cache an attention reads was written this step (V4: the window cache, and the
+  compressed entries its compressors write).
 - ``lint_backend_ops``: no op private to another backend appears in this backend's graph, and
   no fused op's missing output (a K it does not return) is consumed.
 
@@ -26,6 +29,16 @@ ATTENTION = ("mla_decode", "mha_prefill", "sparse_mla")
 _LATENT_ATTENTION = ("mla_decode", "sparse_mla")  # read q_pe and the latent cache
 # ops that read the latent cache (argument kv_cache)
 _CACHE_READERS = ("mla_decode", "sparse_mla", "latent_cache_read")
+# DeepSeek-V4: generic op -> the cache arguments it writes / reads
+_V4_WRITES = {"swa_cache_write": ("kv_cache",), "compressor_update": ("state_cache", "compressed_cache")}
+_V4_WINDOW = ("kv_cache",)
+_V4_COMPRESSED = ("kv_cache", "compressed_cache")
+_V4_READS = {
+    "swa_attention": _V4_WINDOW, "swa_decode": _V4_WINDOW, "hca_attention": _V4_COMPRESSED,
+    "hca_decode": _V4_COMPRESSED, "csa_attention": _V4_COMPRESSED, "csa_decode": _V4_COMPRESSED,
+    "csa_indexer_topk": ("index_cache",),
+}
+_V4_ATTENTION = tuple(g for g in _V4_READS if g != "csa_indexer_topk")  # their queries are rotated
 
 
 class LintError(RuntimeError):
@@ -50,6 +63,11 @@ def _cache_writers(backend: Backend) -> set[str]:
     if backend.capabilities.fused_writes_cache:
         names.add(backend.op_names["fused_rope_concat_cache_write"])
     return names
+
+
+def _by_op(backend: Backend, table: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """{generic op: args} -> {qualified name (generic and the backend's): args}."""
+    return {name: args for g, args in table.items() for name in names_of(backend, g)}
 
 
 def _derives_from_rotation(node, rotations: set[str], depth: int = 0) -> bool:
@@ -88,8 +106,10 @@ def _reaches_latent_attention(node: fx.Node, writers: set[str], attention: set[s
 
 
 def lint_rope_once(graph: fx.Graph, backend: Backend) -> None:
-    rotations, writers = _rotations(backend), _cache_writers(backend)
-    attention, latent_attention = names_of(backend, *ATTENTION), names_of(backend, *_LATENT_ATTENTION)
+    rotations = _rotations(backend)
+    v4_write, v4_attention = names_of(backend, "swa_cache_write"), names_of(backend, *_V4_ATTENTION)
+    writers = _cache_writers(backend) | v4_write
+    attention, latent_attention = names_of(backend, *ATTENTION) | v4_attention, names_of(backend, *_LATENT_ATTENTION)
     per_layer: dict[int | None, list[fx.Node]] = {}
     for node in graph.nodes:
         if op_name(node) not in rotations:
@@ -115,30 +135,36 @@ def lint_rope_once(graph: fx.Graph, backend: Backend) -> None:
         if op_name(attn) in latent_attention:
             if not _derives_from_rotation(op_arg(attn, "q_pe"), rotations):
                 raise LintError(f"lint_rope_once: RoPE skipped in {_where(attn)}: q_pe is not rotated")
+    for node in graph.nodes:  # DeepSeek-V4: the window row and the queries carry RoPE on their tail
+        name = op_name(node)
+        arg = "kv" if name in v4_write else "q" if name in v4_attention else None
+        if arg and not _derives_from_rotation(op_arg(node, arg), rotations):
+            raise LintError(f"lint_rope_once: RoPE skipped in {_where(node)}: {arg} is not rotated")
 
 
 def lint_write_once(graph: fx.Graph, backend: Backend) -> None:
-    writers, readers = _cache_writers(backend), names_of(backend, *_CACHE_READERS)
+    writes = {w: ("kv_cache",) for w in _cache_writers(backend)} | _by_op(backend, _V4_WRITES)
+    reads = {r: ("kv_cache",) for r in names_of(backend, *_CACHE_READERS)} | _by_op(backend, _V4_READS)
     per_cache: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
-        if op_name(node) in writers:
-            base = mutated_base(node, "kv_cache")
+        for arg in writes.get(op_name(node), ()):
+            base = mutated_base(node, arg)
             # a second functional write mutates the first one's output: same cache
             per_cache.setdefault(tensor_root(base), []).append(node)
     for cache, nodes in per_cache.items():
         if len(nodes) != 1:
             where = ", ".join(_where(n) for n in nodes)
             raise LintError(
-                f"lint_write_once: latent cache {getattr(cache, 'name', cache)} written {len(nodes)} times: {where}"
+                f"lint_write_once: cache {getattr(cache, 'name', cache)} written {len(nodes)} times: {where}"
             )
     # A cache that attention reads must have been written this step (the new tokens' latents):
     # zero writes means the step attends to stale rows.
     for node in graph.nodes:
-        if op_name(node) in readers:
-            cache = tensor_root(op_arg(node, "kv_cache"))
+        for arg in reads.get(op_name(node), ()):
+            cache = tensor_root(op_arg(node, arg))
             if cache not in per_cache:
                 raise LintError(
-                    f"lint_write_once: {_where(node)} reads latent cache {getattr(cache, 'name', cache)}, "
+                    f"lint_write_once: {_where(node)} reads cache {getattr(cache, 'name', cache)} ({arg}), "
                     f"which this step never writes"
                 )
 

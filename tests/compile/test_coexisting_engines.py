@@ -13,7 +13,6 @@ import os
 import random
 
 import pytest
-import torch
 
 from mlagraph.model import DeepseekForCausalLM, Engine
 from mlagraph.ops import aiter as aiter_backend
@@ -46,6 +45,12 @@ ENGINES = [
 ]
 
 
+# aiter's kernels need block dims >= 16 on a GPU: DeepSeek-like proportions there, as in
+# tests/model/test_aiter_backend.py (on CPU the interpreter takes the tiny dims, much faster)
+AITER_GPU_DIMS = {"kv_lora_rank": 128, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+                  "hidden_size": 128, "num_attention_heads": 16, "num_key_value_heads": 16}
+
+
 def _prompts(seed: int) -> list[list[int]]:
     rnd = random.Random(seed)
     # lengths on both sides of the V3.2 index_topk (12): dense and sparse DSA plans
@@ -64,6 +69,8 @@ def test_many_compiled_engines_in_one_process(device, compile_backend):
     compiles exactly one graph per plan variant it runs, and the first one nothing more."""
     engines, first_tokens = [], None
     for i, (name, kind, dims, backend, page_size) in enumerate(ENGINES):
+        if backend == "aiter" and device == "cuda":
+            dims = AITER_GPU_DIMS
         model = DeepseekForCausalLM.from_config(_config(kind, **dims), backend=backend, init_std=0.2, seed=i,
                                                 device=device)
         engine = Engine(model, max_num_seqs=4, max_model_len=64, page_size=page_size, compile=True,

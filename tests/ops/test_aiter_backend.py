@@ -82,6 +82,7 @@ def test_capability_table():
     assert dict(caps.fallbacks) == {
         "rope": "triton", "latent_cache_write": "triton", "latent_cache_read": "triton", "mha_prefill": "triton",
         "sparse_mla": "triton", "indexer_cache_write": "triton", "indexer_topk": "triton", "moe": "reference",
+        **{g: "reference" for g in backends.V4_OPS},
     }
 
 

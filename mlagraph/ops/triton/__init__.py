@@ -27,7 +27,7 @@ import importlib.util
 # Aliased: the kernel modules below share these names (mlagraph.ops.triton.decode is ours).
 from .. import cache as _cache, decode as _decode, indexer as _indexer, prefill as _prefill, rope as _rope
 from .. import sparse as _sparse
-from ..backends import GENERIC_OPS, Backend, Capabilities, op_names_for, register
+from ..backends import GENERIC_OPS, V4_OPS, Backend, Capabilities, op_names_for, register
 from ..twins import define_twin
 
 NAMESPACE = "mlagraph_triton"
@@ -55,7 +55,7 @@ for _generic, (_module, _check, _fake) in _OPS.items():
     define_twin(NAMESPACE, _generic, _check, _fake, f"{__name__}.{_module}")
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
-_FALLBACKS = {"moe": "reference"}  # no kernel of ours: the reference op
+_FALLBACKS = {g: "reference" for g in ("moe", *V4_OPS)}  # no kernel of ours: the reference op
 
 TRITON = register(
     Backend(

@@ -1,0 +1,141 @@
+"""Golden graphs of DeepSeek-V4's layers (how to read them: tests/compile/test_goldens.py).
+
+No pass rewrites V4's front yet (before == after; the RoPE + window-cache-write fusion and its
+lints are still to come), so these pin what the model emits per layer type and plan: the
+window write, the compressors (two in a CSA layer: its own and the indexer's), the indexer's
+top-k, the attention op, the inverse rotation of the output (the second ``rope``: swapped pairs,
+see mlagraph.model.attention_v4.unrotate_tail), and, for a dense plan, a CSA layer with no
+indexer scoring at all (its keys still written by the second compressor_update).
+
+After a deliberate change: ``EXPECTTEST_ACCEPT=1 python -m pytest tests/compile/test_v4_goldens.py``.
+"""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+
+import mlagraph
+from mlagraph.model import DeepseekForCausalLM
+from mlagraph.model.batch import build_batch
+from tests.model.test_oracle_v4 import v4_config
+
+pytestmark = pytest.mark.slow  # six compiles: about a minute on two CPU cores
+
+
+def _model(layer_type: str) -> DeepseekForCausalLM:
+    cfg = v4_config(num_hidden_layers=1, layer_types=[layer_type], mlp_layer_types=["moe"]).to_dict()
+    return DeepseekForCausalLM.from_config(cfg, init_std=0.2)
+
+
+def _graph(model: DeepseekForCausalLM, kind: str) -> str:
+    caps, ps, cfg = model.backend.capabilities, 4, model.config
+    caches = model.allocate_caches(32, ps)
+    kw = dict(dsa=cfg.uses_dsa, dsa_dense_max_kv_len=0)  # sparse unless the test asks for dense
+    if kind == "dense_prefill":
+        kw["dsa_dense_max_kv_len"] = cfg.dsa_dense_max_kv_len
+    if kind == "decode":
+        batch = build_batch(caps, [[1], [6]], [5, 2], [[0, 1], [2]], ps, is_decode=[True, True], **kw)
+    else:
+        batch = build_batch(caps, [[1, 2, 3, 4, 5], [6, 7]], [0, 0], [[0, 1], [2]], ps, **kw)
+    assert batch.plan.dsa_dense == (kind == "dense_prefill")
+    torch._dynamo.reset()
+    compiled = mlagraph.compile(model, backend="mlagraph_eager", fullgraph=True, dynamic=True, strict=True)
+    compiled(batch, caches)
+    report = mlagraph.passes.last_compile()
+    assert report.before == report.after  # no V4 pass yet
+    return report.after
+
+
+class TestV4Goldens(expecttest.TestCase):
+    def test_sliding_prefill(self):
+        self.assertExpectedInline(_graph(_model("sliding_attention"), "prefill"), """\
+inputs: 49 tensors
+# layer 0
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v1 = aten.cat([_, v0.0], -1)
+v2 = aten.cat([_, v0.1], -1)
+mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
+v3 = mlagraph.swa_attention(q=v1, kv_cache=in19', sinks=in21, positions=in18, req_ids=in22, block_table=in23, window=6, softmax_scale=0.25)
+v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v5 = aten.cat([v3.0~, _], -1)
+v6 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in35, down_proj=in36, e_score_correction_bias=in34, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+
+    def test_sliding_decode(self):
+        self.assertExpectedInline(_graph(_model("sliding_attention"), "decode"), """\
+inputs: 49 tensors
+# layer 0
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v1 = aten.cat([_, v0.0], -1)
+v2 = aten.cat([_, v0.1], -1)
+mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
+v3 = mlagraph.swa_decode(q=v1~, kv_cache=in19', sinks=in22, block_table=in21, seq_lens=in23, window=6, softmax_scale=0.25)
+v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v5 = aten.cat([v3.0~, _], -1)
+v6 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in35, down_proj=in36, e_score_correction_bias=in34, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+
+    def test_hca_prefill(self):
+        self.assertExpectedInline(_graph(_model("heavily_compressed_attention"), "prefill"), """\
+inputs: 55 tensors
+# layer 0
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v1 = aten.cat([_, v0.0], -1)
+v2 = aten.cat([_, v0.1], -1)
+mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=4, overlap=False, eps=1e-06)
+v3 = mlagraph.hca_attention(q=v1, kv_cache=in19', compressed_cache=in28', sinks=in29, positions=in18, req_ids=in25, block_table=in26, window=6, compress_rate=4, softmax_scale=0.25)
+v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v5 = aten.cat([v3.0~, _], -1)
+v6 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in41, down_proj=in42, e_score_correction_bias=in40, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+
+    def test_csa_prefill(self):
+        self.assertExpectedInline(_graph(_model("compressed_sparse_attention"), "prefill"), """\
+inputs: 63 tensors
+# layer 0
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v1 = aten.cat([_, v0.0], -1)
+v2 = aten.cat([_, v0.1], -1)
+mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=2, overlap=True, eps=1e-06)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in31, norm_weight=in32, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in33!, compressed_cache=in34!, compress_rate=2, overlap=True, eps=1e-06)
+v3 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v4 = aten.cat([_, v3.0], -1)
+v5 = mlagraph.csa_indexer_topk(q=v4, weights=_, index_cache=in34', positions=in18, req_ids=in25, block_table=in26, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
+v6 = mlagraph.csa_attention(q=v1, kv_cache=in19', compressed_cache=in28', topk_indices=v5, sinks=in37, positions=in18, req_ids=in25, block_table=in26, window=6, compress_rate=2, softmax_scale=0.25)
+v7 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v8 = aten.cat([v6.0~, _], -1)
+v9 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in49, down_proj=in50, e_score_correction_bias=in48, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+
+    def test_csa_dense_prefill_has_no_indexer_scoring(self):
+        self.assertExpectedInline(_graph(_model("compressed_sparse_attention"), "dense_prefill"), """\
+inputs: 61 tensors
+# layer 0
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v1 = aten.cat([_, v0.0], -1)
+v2 = aten.cat([_, v0.1], -1)
+mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=2, overlap=True, eps=1e-06)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in31, norm_weight=in32, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in33!, compressed_cache=in34!, compress_rate=2, overlap=True, eps=1e-06)
+v3 = mlagraph.hca_attention(q=v1, kv_cache=in19', compressed_cache=in28', sinks=in35, positions=in18, req_ids=in25, block_table=in26, window=6, compress_rate=2, softmax_scale=0.25)
+v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v5 = aten.cat([v3.0~, _], -1)
+v6 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in47, down_proj=in48, e_score_correction_bias=in46, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+
+    def test_csa_decode(self):
+        self.assertExpectedInline(_graph(_model("compressed_sparse_attention"), "decode"), """\
+inputs: 64 tensors
+# layer 0
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v1 = aten.cat([_, v0.0], -1)
+v2 = aten.cat([_, v0.1], -1)
+mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=2, overlap=True, eps=1e-06)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in31, norm_weight=in32, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in33!, compressed_cache=in34!, compress_rate=2, overlap=True, eps=1e-06)
+v3 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v4 = aten.cat([_, v3.0], -1)
+v5 = mlagraph.csa_indexer_topk(q=v4, weights=_, index_cache=in34', positions=in18, req_ids=in25, block_table=in26, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
+v6 = mlagraph.csa_decode(q=v1~, kv_cache=in19', compressed_cache=in28', topk_indices=v5~, sinks=in37, block_table=in26, seq_lens=in38, window=6, compress_rate=2, softmax_scale=0.25)
+v7 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v8 = aten.cat([v6.0~, _], -1)
+v9 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in50, down_proj=in51, e_score_correction_bias=in49, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
