@@ -3,6 +3,7 @@ and compiled (dynamo fullgraph), in spawned processes with a bounded run time.""
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -26,7 +27,7 @@ def _free_port() -> int:
 
 def _worker(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=__import__("datetime").timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=60))
     try:
         with pytest.raises(ValueError, match="world size"):
             parallel.parallel_state(world + 1)
