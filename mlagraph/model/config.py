@@ -40,6 +40,14 @@ def read_config_file(hf: Any) -> Any:
     return hf
 
 
+def config_dict(hf: Any) -> dict:
+    """A HF config (transformers object, dict, or config.json path / its directory) as a new dict."""
+    hf = read_config_file(hf)
+    if not isinstance(hf, dict):
+        hf = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
+    return dict(hf)
+
+
 def model_type_of(hf: Any) -> str | None:
     """The ``model_type`` of a HF config (object, dict, or config.json path / its directory)."""
     hf = read_config_file(hf)
@@ -118,10 +126,7 @@ class DeepseekConfig:
     @classmethod
     def from_hf(cls, hf: Any) -> DeepseekConfig:
         """From a transformers config object, a config dict, or a path to config.json / its dir."""
-        hf = read_config_file(hf)
-        if not isinstance(hf, dict):
-            hf = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
-        d = dict(hf)
+        d = config_dict(hf)
         model_type = d.get("model_type", "deepseek_v3")
         if model_type not in SUPPORTED_MODEL_TYPES:
             hint = " (DeepSeek-V4 has its own config: mlagraph.model.config_v4)" if model_type == "deepseek_v4" else ""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .config import read_config_file
+from .config import config_dict
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -82,10 +82,7 @@ class DeepseekV4Config:
     @classmethod
     def from_hf(cls, hf: Any) -> DeepseekV4Config:
         """From a transformers config object, a config dict, or a path to config.json / its dir."""
-        hf = read_config_file(hf)
-        if not isinstance(hf, dict):
-            hf = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
-        d = dict(hf)
+        d = config_dict(hf)
         if d.get("model_type") != "deepseek_v4":
             raise ValueError(f"config: model_type: expected 'deepseek_v4', got {d.get('model_type')!r}")
 
