@@ -1,7 +1,11 @@
 """Fixtures shared by every test package (the transformers oracle checkpoints live in
 tests/model/conftest.py; the compile tests use them too)."""
 
+import fcntl
 import os
+import tempfile
+
+import pytest
 
 from tests.model.conftest import hf_checkpoint  # noqa: F401  (re-exported fixture)
 
@@ -14,3 +18,20 @@ def pytest_configure(config):
     markexpr = config.getoption("markexpr") or ""
     if "gpu" not in markexpr.replace("not gpu", ""):
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def whole_gpu_memory():
+    """Serializes the tests that hold tens of GiB of the GPU (DeepSeek-V3's 256 experts are
+    22 GiB in bf16) across pytest-xdist workers: `pytest -m gpu -n 8` would otherwise run eight
+    at once on one card. The lock is a file every worker of the machine sees."""
+    lock_path = os.path.join(tempfile.gettempdir(), "mlagraph-whole-gpu-memory.lock")
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            import torch
+
+            torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -425,7 +425,7 @@ def test_grouped_mm_runs_on_cuda_bf16():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("num_tokens", [1, 256, 2048])
-def test_grouped_moe_matches_oracle_at_v3_dims(num_tokens, fp8):
+def test_grouped_moe_matches_oracle_at_v3_dims(num_tokens, fp8, whole_gpu_memory):
     """DeepSeek-V3's MoE layer: 256 experts of [2*2048, 7168], top-8 of 8 groups (4 kept).
     fp8 at 2048 tokens (64 rows per expert) also quantizes the activations per 1x128 group
     (W8A8), which adds e4m3's rounding of them: 2e-2 there, 1e-2 elsewhere."""
