@@ -599,10 +599,15 @@ def bench_moe(rows, args, g):
             print(name, flush=True)
             want = moe_all_experts(*a)
             check = lambda out, want=want: rel_err(out, want)  # noqa: E731
-            run = Runner(rows, name, 2 * t * V3_MOE["top_k"] * 3 * V3_MOE["dim"] * V3_MOE["inter"], nbytes, tol=2e-2)
+            # W8A8 (fp8 prefill) carries e4m3's rounding of the activations before both GEMMs:
+            # 4.4% relative on the H200 (tests/ops/test_moe.py), hence its wider tolerance.
+            tol = 6e-2 if fp8 and t > 128 else 2e-2
+            flops = 2 * t * V3_MOE["top_k"] * 3 * V3_MOE["dim"] * V3_MOE["inter"]
+            run = Runner(rows, name, flops, nbytes, tol=tol)
             ours, oracle = (lambda a=a: REF.moe(*a)), (lambda a=a: moe_all_experts(*a))
             graphs = {"graph_fns": [ours]} if t <= 128 else {}
             run.run("grouped-fp8" if fp8 else "grouped", ours, check, **graphs)
+            torch.cuda.empty_cache()  # the oracle dequantizes all 256 experts (28 GiB at T=8K)
             run.run("all-experts", oracle, check, **({"graph_fns": [oracle]} if t <= 128 else {}))
             del want
         del base

@@ -428,14 +428,16 @@ def test_grouped_mm_runs_on_cuda_bf16():
 def test_grouped_moe_matches_oracle_at_v3_dims(num_tokens, fp8, whole_gpu_memory):
     """DeepSeek-V3's MoE layer: 256 experts of [2*2048, 7168], top-8 of 8 groups (4 kept).
     fp8 at 2048 tokens (64 rows per expert) also quantizes the activations per 1x128 group
-    (W8A8), which adds e4m3's rounding of them: 2e-2 there, 1e-2 elsewhere."""
+    (W8A8) before each of the two GEMMs: e4m3's rounding is 2.6% relative per GEMM for normal
+    activations (tests/ops/test_fp8.py), 4.4% through both on the H200 (2026-12-02), so 6e-2
+    there and 1e-2 elsewhere."""
     from benchmarks.common import V3_MOE, moe_layer_args
 
     args = moe_layer_args(num_tokens, device="cuda", fp8=fp8, **V3_MOE)
     out = moe_op(*args)
     want = moe_all_experts(*args).float()
     rel = (out.float() - want).norm() / want.norm()
-    assert out.dtype == torch.bfloat16 and rel < (2e-2 if fp8 and num_tokens == 2048 else 1e-2), rel
+    assert out.dtype == torch.bfloat16 and rel < (6e-2 if fp8 and num_tokens == 2048 else 1e-2), rel
 
 
 @pytest.mark.gpu
