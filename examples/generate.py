@@ -57,6 +57,7 @@ def main() -> None:
                    "tokenizer.json); default: random token-id prompts")
     p.add_argument("--chat", action="store_true", help="wrap each --prompt as a user message in the chat template")
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under torchrun --nproc-per-node N)")
     args = p.parse_args()
     # Checked here, before anything is built, naming the flag.
     if args.num_prompts < 1:
@@ -71,25 +72,40 @@ def main() -> None:
         p.error(f"--prompt: expected --model DIR with a tokenizer.json, got --model {args.model!r}")
     if args.chat and not args.prompt:
         p.error("--chat: expected --prompt TEXT to wrap in the chat template, got no --prompt")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp < 1 or args.tp != world:
+        p.error(f"--tp: expected the number of torchrun ranks ({world}; torchrun --nproc-per-node N ... --tp N), "
+                f"got {args.tp}")
+    rank = 0
+    if args.tp > 1:  # one process per rank, all running the same requests; rank 0 prints
+        import torch.distributed as dist
+
+        rank = int(os.environ["RANK"])
+        if args.device.startswith("cuda"):
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
+            torch.cuda.set_device(args.device)
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    say = print if rank == 0 else (lambda *a, **k: None)
 
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     if args.model:
         model = DeepseekForCausalLM.from_pretrained(
-            args.model, backend=args.backend, dtype=dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype
+            args.model, backend=args.backend, dtype=dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
+            tensor_parallel_size=args.tp,
         )
     else:
         cfg = TINY_V32 if args.arch == "v32" else TINY_V3
         model = DeepseekForCausalLM.from_config(
             cfg, backend=args.backend, dtype=dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
-            seed=args.seed,
+            seed=args.seed, tensor_parallel_size=args.tp,
         )
     cfg = model.config
-    print(
+    say(
         f"model: {args.model or 'tiny random ' + cfg.model_type} | {cfg.num_hidden_layers} layers, "
         f"{cfg.num_attention_heads} heads, kv_lora {cfg.kv_lora_rank}, rope {cfg.qk_rope_head_dim}, "
         f"{cfg.n_routed_experts} experts | backend {args.backend}, {args.dtype}, cache {model.cache_layout} "
-        f"| built in {time.perf_counter() - t0:.2f}s"
+        f"{f' | tensor parallel x{args.tp}' if args.tp > 1 else ''} | built in {time.perf_counter() - t0:.2f}s"
     )
 
     if args.prompt:
@@ -111,7 +127,7 @@ def main() -> None:
         t0 = time.perf_counter()
         engine.generate(prompts, max_new_tokens=2, ignore_eos=True)
         fused = sorted({(r.pass_name, r.layer) for r in mlagraph.passes.reports()}, key=str)
-        print(f"compiled {len({r.graph for r in mlagraph.passes.reports()})} graphs in {time.perf_counter() - t0:.1f}s; "
+        say(f"compiled {len({r.graph for r in mlagraph.passes.reports()})} graphs in {time.perf_counter() - t0:.1f}s; "
               f"passes applied: " + ", ".join(f"{name}@layer{layer}" for name, layer in fused))
         engine.stats = StepStats()
     t0 = time.perf_counter()
@@ -122,16 +138,18 @@ def main() -> None:
     for i, out in enumerate(outs):
         mean_lp = sum(out.logprobs) / len(out.logprobs)
         shown = repr(out.text) if out.text is not None else out.token_ids
-        print(f"[{i}] prompt {out.prompt_len:3d} tok -> {shown}  (mean logprob {mean_lp:.3f}, {out.describe()})")
+        say(f"[{i}] prompt {out.prompt_len:3d} tok -> {shown}  (mean logprob {mean_lp:.3f}, {out.describe()})")
     s = engine.stats
 
     def rate(tokens: int, seconds: float) -> str:
         return f"{tokens} tok in {seconds * 1e3:.1f} ms ({tokens / seconds:.0f} tok/s)" if seconds else f"{tokens} tok"
 
-    print(
+    say(
         f"prefill steps: {rate(s.prefill_tokens, s.prefill_seconds)} | "
         f"decode-only steps: {rate(s.decode_tokens, s.decode_seconds)} | {s.steps} steps, wall {wall:.2f}s"
     )
+    if args.tp > 1:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

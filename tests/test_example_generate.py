@@ -26,6 +26,7 @@ def example():
         (["--max-new-tokens", "0"], "--max-new-tokens: expected a positive number of tokens, got 0"),
         (["--prompt-len", "-3"], "--prompt-len: expected a positive number of tokens, got -3"),
         (["--chunk", "0"], "--chunk: expected a positive prefill chunk size, got 0"),
+        (["--tp", "2"], "--tp: expected the number of torchrun ranks (1;"),
     ],
 )
 def test_bad_flags_are_named(example, monkeypatch, capsys, flags, message):
@@ -63,3 +64,23 @@ def test_text_prompt_prints_text_and_labelled_finish_reason(example, monkeypatch
     example.main()
     out = capsys.readouterr().out
     assert "[0] prompt   6 tok -> '" in out and "finish_reason=length" in out
+
+
+def test_torchrun_tp2_generates_the_tokens_of_one_rank():
+    """`torchrun --nproc-per-node 2 examples/generate.py --tp 2` (gloo on CPU) prints the tokens
+    the single-process run prints, once (rank 0)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    flags = ["--no-compile", "--max-new-tokens", "3", "--num-prompts", "2"]
+
+    def tokens(cmd, extra=()):
+        out = subprocess.run([*cmd, EXAMPLE, *flags, *extra], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return [line for line in out.stdout.splitlines() if line.startswith("[")], out.stdout
+
+    one, _ = tokens([sys.executable])
+    two, stdout = tokens([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"], ["--tp", "2"])
+    assert len(one) == 2 and one == two, (one, two)
+    assert "tensor parallel x2" in stdout

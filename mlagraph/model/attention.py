@@ -19,6 +19,7 @@ from torch import nn
 from ..ops.backends import Backend
 from .batch import Batch, ForwardMethod
 from .config import DeepseekConfig
+from .parallel import SINGLE, ParallelState, all_reduce
 
 
 class RMSNorm(nn.Module):
@@ -122,12 +123,17 @@ class Indexer(nn.Module):
 
 
 class MLAttention(nn.Module):
-    """DeepSeek MLA. Weight names follow the Hugging Face checkpoints (self_attn.*)."""
+    """DeepSeek MLA. Weight names follow the Hugging Face checkpoints (self_attn.*).
 
-    def __init__(self, cfg: DeepseekConfig, backend: Backend):
+    Tensor parallel (``ps.world`` > 1): this rank runs H / world of the heads (H below is the
+    local count): q / kv_b hold those heads' rows, o_proj their input columns, and the block
+    ends in one all-reduce. The latent projection and the indexer are replicated, so every
+    rank writes the same latent cache rows and picks the same top-k."""
+
+    def __init__(self, cfg: DeepseekConfig, backend: Backend, ps: ParallelState = SINGLE):
         super().__init__()
-        self.cfg = cfg
-        H, L, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.cfg, self.ps = cfg, ps
+        H, L, R = ps.shard(cfg.num_attention_heads, "num_attention_heads")[1], cfg.kv_lora_rank, cfg.qk_rope_head_dim
         self.num_heads, self.kv_lora_rank, self.rope_dim = H, L, R
         self.nope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.v_head_dim
         self.softmax_scale = cfg.softmax_scale
@@ -266,4 +272,9 @@ class MLAttention(nn.Module):
                     caches.scale, caches.layout, self.softmax_scale,
                 )
             out = torch.einsum("thl,hvl->thv", o, w_uv)  # back from latent to per-head values
-        return self.o_proj(out.reshape(T, H * self.v_dim))
+        out = out.reshape(T, H * self.v_dim)
+        if self.ps.world == 1:
+            return self.o_proj(out)
+        # Row parallel: each rank's heads give a partial sum; the bias is added once, after.
+        y = all_reduce(F.linear(out, self.o_proj.weight), self.ps)
+        return y if self.o_proj.bias is None else y + self.o_proj.bias

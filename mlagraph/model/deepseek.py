@@ -21,18 +21,35 @@ from .attention import KVCaches, MLAttention, RMSNorm
 from .batch import Batch
 from .config import DeepseekConfig, model_type_of, read_config_file
 from .generation_config import eos_token_ids
+from .parallel import (
+    SINGLE,
+    ParallelState,
+    all_gather_last,
+    all_reduce,
+    check_divisible,
+    local_slice,
+    parallel_state,
+    vocab_parallel_embedding,
+)
 from .tokenizer import Tokenizer
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    """SwiGLU MLP [T,D] -> [T,D]. Tensor parallel: this rank's 1/world of the ``hidden`` width
+    (gate / up rows, down columns); ``reduce=False`` returns the partial sum (a MoE's shared
+    experts add theirs to the routed experts' before the layer's one all-reduce)."""
+
+    def __init__(self, dim: int, hidden: int, ps: ParallelState = SINGLE, reduce: bool = True):
         super().__init__()
+        self.ps, self.reduce = ps, reduce
+        hidden = ps.shard(hidden, "the MLP's intermediate size")[1]
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return all_reduce(y, self.ps) if self.reduce else y
 
 
 class Router(nn.Module):
@@ -52,18 +69,24 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (one mlagraph.moe op) + shared experts."""
+    """Routed experts (one mlagraph.moe op) + shared experts.
 
-    def __init__(self, cfg: DeepseekConfig, backend: backends.Backend):
+    Expert parallel (``ps.world`` > 1): this rank holds E / world routed experts (from
+    ``first_expert``) and 1/world of the shared experts' width; the router is replicated, so
+    every rank routes alike, and one all-reduce sums the ranks' shares."""
+
+    def __init__(self, cfg: DeepseekConfig, backend: backends.Backend, ps: ParallelState = SINGLE):
         super().__init__()
-        self.cfg = cfg
-        E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.cfg, self.ps = cfg, ps
+        first, E = ps.shard(cfg.n_routed_experts, "n_routed_experts")
+        self.first_expert = first if ps.world > 1 else None
+        I, D = cfg.moe_intermediate_size, cfg.hidden_size
         self.gate = Router(cfg)
         # stacked: gate_up_proj [E, 2I, D], down_proj [E, D, I]; in fp8 with scales, see fp8_weights.py
         self.experts = nn.Module()
         self.experts.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
         self.experts.down_proj = nn.Parameter(torch.empty(E, D, I))
-        self.shared_experts = MLP(D, I * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.shared_experts = MLP(D, I * cfg.n_shared_experts, ps, reduce=False) if cfg.n_shared_experts else None
         self._moe = backend.op("moe")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,18 +99,19 @@ class MoE(nn.Module):
             c.num_experts_per_tok, c.scoring_func, c.topk_method, c.n_group, c.topk_group, c.norm_topk_prob,
             c.routed_scaling_factor,
             ex.gate_up_proj_scale_inv if fp8 else None, ex.down_proj_scale_inv if fp8 else None,
+            *(() if self.first_expert is None else (self.first_expert,)),
         )
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return all_reduce(out, self.ps)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, layer: int, backend: backends.Backend):
+    def __init__(self, cfg: DeepseekConfig, layer: int, backend: backends.Backend, ps: ParallelState = SINGLE):
         super().__init__()
         self.layer = layer
-        self.self_attn = MLAttention(cfg, backend)
-        self.mlp = MoE(cfg, backend) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = MLAttention(cfg, backend, ps)
+        self.mlp = MoE(cfg, backend, ps) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size, ps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -97,10 +121,10 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, backend: backends.Backend):
+    def __init__(self, cfg: DeepseekConfig, backend: backends.Backend, ps: ParallelState = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(ps.shard(cfg.vocab_size, "vocab_size")[1], cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, ps) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -113,10 +137,16 @@ class DeepseekForCausalLM(nn.Module):
     [len(batch.logits_indices), V]; the :class:`~mlagraph.model.Engine` makes batches and caches.
     """
 
-    def __init__(self, cfg: DeepseekConfig, backend: str = "reference", kv_cache_dtype: str = "auto"):
+    def __init__(
+        self, cfg: DeepseekConfig, backend: str = "reference", kv_cache_dtype: str = "auto",
+        parallel: ParallelState = SINGLE,
+    ):
         super().__init__()
         self.config = cfg
+        check_divisible(cfg, parallel)
+        self.parallel = parallel  # tensor / expert parallel ranks (mlagraph/model/parallel.py)
         self.backend = backends.get(backend)
+        self.kv_cache_dtype = kv_cache_dtype
         self.cache_layout = layouts.latent_layout_for(kv_cache_dtype)
         if self.cache_layout not in self.backend.capabilities.latent_layouts:
             raise ValueError(
@@ -138,8 +168,8 @@ class DeepseekForCausalLM(nn.Module):
                 f"{sorted(self.backend.capabilities.indexer_layouts)}, got {kv_cache_dtype!r} "
                 f"(indexer keys in {self.index_layout!r})"
             )
-        self.model = DeepseekModel(cfg, self.backend)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = DeepseekModel(cfg, self.backend, parallel)
+        self.lm_head = nn.Linear(cfg.hidden_size, parallel.shard(cfg.vocab_size, "vocab_size")[1], bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # What generation needs from the checkpoint beyond weights (set by from_pretrained /
@@ -158,6 +188,7 @@ class DeepseekForCausalLM(nn.Module):
     def from_config(
         cls, hf_config, *, backend: str = "reference", dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu", kv_cache_dtype: str = "auto", seed: int = 0, init_std: float | None = None,
+        tensor_parallel_size: int = 1,
     ) -> DeepseekForCausalLM:
         """A randomly initialised model from a HF config (object, dict, or config.json path).
 
@@ -165,8 +196,19 @@ class DeepseekForCausalLM(nn.Module):
         else 0.02); norms are ones; the routing bias is small and random so it matters. On a
         CUDA device the model is built and sampled there (a DeepSeek-V3-sized model in seconds),
         so its weights differ from the CPU model of the same seed.
+
+        ``tensor_parallel_size`` N > 1 (inside an initialized process group of N ranks): each
+        rank samples the whole model with the same seed and keeps its shard, so the ranks
+        together hold exactly the ``tensor_parallel_size=1`` model (the whole model is in
+        memory once, briefly, per rank).
         """
         dtype, device = _as_dtype(dtype), _as_device(device)
+        ps = parallel_state(tensor_parallel_size)
+        if ps.world > 1:
+            _no_v4_parallel(hf_config)
+            full = cls.from_config(hf_config, backend=backend, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype,
+                                   seed=seed, init_std=init_std)
+            return full.sharded(ps)
         if model_type_of(hf_config) == "deepseek_v4":
             from .deepseek_v4 import DeepseekV4ForCausalLM
 
@@ -196,7 +238,7 @@ class DeepseekForCausalLM(nn.Module):
     def from_pretrained(
         cls, path: str | os.PathLike, *, backend: str = "reference", dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu", kv_cache_dtype: str = "auto", progress: bool = True,
-        fp8_weights: str = "auto",
+        fp8_weights: str = "auto", tensor_parallel_size: int = 1,
     ) -> DeepseekForCausalLM:
         """Loads a local Hugging Face checkpoint directory (config.json + *.safetensors, and
         tokenizer.json / tokenizer_config.json / generation_config.json when present).
@@ -210,11 +252,25 @@ class DeepseekForCausalLM(nn.Module):
         "keep" keeps them or raises, "dequantize" turns them into ``dtype`` at load. Kept
         weights run as block-scaled fp8 GEMMs on CUDA and dequantize per call elsewhere
         (see mlagraph/model/fp8_weights.py).
+
+        ``tensor_parallel_size`` N > 1 runs the model on N ranks of the initialized default
+        process group (torchrun): attention heads, MLP widths and the vocabulary split N ways,
+        routed experts split by expert; each rank reads only its slices of the shards. fp8
+        weights are dequantized at load there for now ("keep" raises).
         """
         from .loading import check_shards, checkpoint_dir, checkpoint_files, load_checkpoint
 
         path = checkpoint_dir(path)
         dtype, device = _as_dtype(dtype), _as_device(device)
+        ps = parallel_state(tensor_parallel_size)
+        if ps.world > 1:
+            _no_v4_parallel(path)
+            if fp8_weights == "keep":
+                raise ValueError(
+                    f"fp8_weights: 'keep' is not supported with tensor_parallel_size={ps.world} yet "
+                    "(fp8 block scales are not sliced across ranks); expected 'auto' or 'dequantize'"
+                )
+            fp8_weights = "dequantize" if fp8_weights == "auto" else fp8_weights
         if model_type_of(path) == "deepseek_v4":
             from .deepseek_v4 import DeepseekV4ForCausalLM
 
@@ -225,10 +281,26 @@ class DeepseekForCausalLM(nn.Module):
         cfg = DeepseekConfig.from_hf(path)
         check_shards(checkpoint_files(path))
         tokenizer, eos = Tokenizer.from_dir(path), eos_token_ids(path, cfg.vocab_size)
-        model = cls(cfg, backend=backend, kv_cache_dtype=kv_cache_dtype)
-        load_checkpoint(model, path, progress=progress, fp8_weights=fp8_weights, dtype=dtype)
+        model = cls(cfg, backend=backend, kv_cache_dtype=kv_cache_dtype, parallel=ps)
+        load_checkpoint(model, path, progress=progress and ps.rank == 0, fp8_weights=fp8_weights, dtype=dtype)
         model.tokenizer, model.eos_token_ids = tokenizer, eos
         return model.to_device_dtype(device, dtype)
+
+    def sharded(self, ps: ParallelState) -> DeepseekForCausalLM:
+        """This (whole, world-1) model's shard for rank ``ps.rank`` of ``ps.world``: a new model
+        whose parameters are this rank's slices (mlagraph/model/parallel.py says which)."""
+        device = self.lm_head.weight.device
+        with torch.device(device):
+            part = type(self)(self.config, backend=self.backend.name, kv_cache_dtype=self.kv_cache_dtype, parallel=ps)
+        full = dict(self.named_parameters())
+        full.update(self.named_buffers())
+        with torch.no_grad():
+            for name, t in list(part.named_parameters()) + list(part.named_buffers()):
+                src = full[name]
+                sl = local_slice(name, src.shape, ps)
+                t.copy_(src if sl is None else src.narrow(*sl))
+        part.tokenizer, part.eos_token_ids = self.tokenizer, self.eos_token_ids
+        return part.to_device_dtype(device, self.dtype)
 
     def to_device_dtype(self, device, dtype: torch.dtype) -> DeepseekForCausalLM:
         """Moves to ``device``; casts to ``dtype`` except the float32 router and RoPE table."""
@@ -257,11 +329,15 @@ class DeepseekForCausalLM(nn.Module):
 
     def forward(self, batch: Batch, caches: KVCaches) -> torch.Tensor:
         """One step: batch.input_ids [T] -> float32 logits [N, V] at batch.logits_indices [N]."""
-        h = self.model.embed_tokens(batch.input_ids)  # [T, D]
+        if self.parallel.world == 1:
+            h = self.model.embed_tokens(batch.input_ids)  # [T, D]
+        else:  # this rank's rows of the vocabulary, summed over ranks
+            h = vocab_parallel_embedding(batch.input_ids, self.model.embed_tokens.weight, self.parallel)
         for layer in self.model.layers:
             h = layer(h, batch, self.rope_cos_sin, caches)
         h = self.model.norm(h[batch.logits_indices])
-        return self.lm_head(h).float()
+        # tensor parallel: [N, V/world] per rank, gathered to [N, V] on every rank
+        return all_gather_last(self.lm_head(h), self.parallel).float()
 
 
 _DTYPE_NAMES = {
@@ -288,6 +364,11 @@ def _as_device(device) -> torch.device:
         return torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device: expected a torch device or its name ('cpu', 'cuda:0'), got {device!r} ({e})") from None
+
+
+def _no_v4_parallel(hf_config) -> None:
+    if model_type_of(hf_config) == "deepseek_v4":
+        raise ValueError("tensor_parallel_size: DeepSeek-V4 runs on one rank for now, expected 1")
 
 
 def _initializer_range(hf_config) -> float:

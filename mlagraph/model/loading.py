@@ -11,7 +11,9 @@ On-disk names are the Hugging Face ones. Three things differ from our parameters
   ``inv_freq`` buffers are not part of the model and are skipped;
 - a model may rename on-disk keys: if it has a ``checkpoint_key(key)`` method, every key is
   passed through it first (None: skip the tensor). DeepSeek-V4's checkpoints use DeepSeek's
-  own names (``layers.{i}.attn.wq_a.weight``, ...), see mlagraph.model.deepseek_v4.
+  own names (``layers.{i}.attn.wq_a.weight``, ...), see mlagraph.model.deepseek_v4;
+- a tensor-parallel model (``model.parallel.world`` > 1) gets its rank's slice of each split
+  weight, read as a slice from the file (safetensors' ``get_slice``), and only its own experts.
 
 Anything else missing, unexpected or mis-shaped raises one ValueError naming every offender.
 """
@@ -29,6 +31,7 @@ from tqdm.auto import tqdm
 from ..ops.fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_blockwise
 from .config import read_config_file, read_json
 from .fp8_weights import DEQUANTIZED_AT_LOAD, fp8_linear_for, keep_experts_fp8, keeps_fp8
+from .parallel import SINGLE, local_slice
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -139,6 +142,12 @@ def load_checkpoint(
          if n.endswith(_CHECKPOINT_BUFFERS) or n.endswith("_scale_inv") or b.dtype == FP8_DTYPE}
     )
     rename = getattr(model, "checkpoint_key", None) or (lambda key: key)
+    ps = getattr(model, "parallel", SINGLE)
+    # expert parallel: each MoE layer's first local expert and how many it holds
+    first_expert = {f"{n}.experts": m.first_expert for n, m in model.named_modules()
+                    if getattr(m, "first_expert", None) is not None}
+    local_experts = {n.removesuffix(".gate_up_proj"): p.shape[0] for n, p in params.items()
+                     if n.endswith("experts.gate_up_proj")}
     tied = model.config.tie_word_embeddings
     expected = set(params) - ({"lm_head.weight"} if tied else set())
     loaded: set[str] = set()
@@ -157,7 +166,13 @@ def load_checkpoint(
                     m = _LAYER.match(key)
                     if m and int(m.group(1)) >= num_layers:
                         continue  # multi-token-prediction layers
-                    tensor, scale = f.get_tensor(disk_key), None
+                    em = _EXPERT.match(key)
+                    if em and ps.world > 1:
+                        e = int(em.group(2)) - first_expert.get(em.group(1), 0)
+                        if not 0 <= e < local_experts.get(em.group(1), 0):
+                            continue  # another rank's expert: not read
+                        key = f"{em.group(1)}.{e}.{em.group(3)}.weight"
+                    tensor, scale = _read(f, disk_key, key, ps), None
                     if tensor.dtype == FP8_DTYPE:
                         scale_key = disk_key + "_scale_inv"
                         if scale_key in keys:
@@ -169,6 +184,8 @@ def load_checkpoint(
                             raise ValueError(f"from_pretrained: fp8 weight {key!r} has no {scale_key!r} in {path!r}")
                         if key not in kept:
                             tensor, scale = dequantize_blockwise(tensor, scale.float(), torch.float32), None
+                            sl = None if em else local_slice(key, tensor.shape, ps)
+                            tensor = tensor if sl is None else tensor.narrow(*sl)  # read whole: its scales tile it
                     em = _EXPERT.match(key)
                     if tensor.dtype != FP8_DTYPE and key in kept:  # its scale said fp8: its layer was made fp8
                         misshaped.append(
@@ -217,6 +234,20 @@ def load_checkpoint(
             problems.append(f"  {len(items)} {title} weight(s):\n    {listed}{more}")
     if problems:
         raise ValueError(f"from_pretrained: checkpoint {os.fspath(path)!r} does not match the model:\n" + "\n".join(problems))
+
+
+def _read(f, disk_key: str, key: str, ps) -> torch.Tensor:
+    """The tensor at ``disk_key``, or this rank's slice of it when ``key`` is split across
+    ranks (only that slice is read). fp8 weights are read whole: their block scales tile them."""
+    if ps.world == 1:
+        return f.get_tensor(disk_key)
+    sliced = f.get_slice(disk_key)
+    shape = sliced.get_shape()
+    sl = local_slice(key, shape, ps) if sliced.get_dtype() not in ("F8_E4M3", "float8_e4m3fn") else None
+    if sl is None or _EXPERT.match(key):
+        return f.get_tensor(disk_key)
+    dim, start, n = sl
+    return sliced[tuple([slice(None)] * dim + [slice(start, start + n)])]
 
 
 def _copy_expert(params, prefix, e, which, tensor, scale, key, misshaped, unexpected) -> bool:

@@ -138,7 +138,7 @@ def route(
 
 def _check_moe(
     hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
-    topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale,
+    topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale, first_expert=None,
 ) -> None:
     op = "moe"
     check_tensor(op, "hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
@@ -146,7 +146,14 @@ def _check_moe(
     dev = hidden.device
     check_tensor(op, "router_logits", router_logits, shape=(num_tokens, None), device=dev)
     num_experts = router_logits.shape[1]
-    check_tensor(op, "gate_up_proj", gate_up_proj, shape=(num_experts, None, dim), device=dev)
+    if first_expert is None:  # all experts here
+        check_tensor(op, "gate_up_proj", gate_up_proj, shape=(num_experts, None, dim), device=dev)
+    else:  # expert parallel: this rank's experts first_expert .. first_expert + local - 1
+        check_tensor(op, "gate_up_proj", gate_up_proj, shape=(None, None, dim), device=dev)
+        local = gate_up_proj.shape[0]
+        _check_int(op, "first_expert", first_expert, 0, num_experts - local,
+                   f"an int in [0, {num_experts - local}] ({local} local experts of {num_experts})")
+        num_experts = local
     if gate_up_proj.shape[1] % 2 != 0:
         shape = list(gate_up_proj.shape)
         fail(op, "gate_up_proj", "an even dim 1 (gate rows, then up rows)", f"shape {shape}")
@@ -203,27 +210,39 @@ def _per_group_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> tor
     return out
 
 
-def _grouped_experts(hidden, weights, ids, num_experts, gate_up_mm, down_mm) -> torch.Tensor:
+def _grouped_experts(hidden, weights, ids, num_experts, gate_up_mm, down_mm, first_expert=None) -> torch.Tensor:
     """hidden [T, D], weights/ids [T, k] -> [T, D]; ``gate_up_mm(x [rows, D], offs) -> [rows, 2I]``
     and ``down_mm(x [rows, I], offs) -> [rows, D]``: the grouped GEMMs, offs [E] int32 group ends.
 
     Rows are (token, slot) pairs sorted by expert: T*k rows, every one routed, so no padding
     and nothing data-dependent in any shape. An expert with no rows is an empty group; the
     grouped GEMM never reads its weights.
+
+    Expert parallel (``first_expert`` an int, ``num_experts`` the local count): rows routed to
+    another rank's experts sort after every local group, past the last group end, so the
+    grouped GEMMs compute nothing for them, and the combine masks them out: the result is this
+    rank's partial sum.
     """
     num_tokens, top_k = ids.shape
     dim = hidden.shape[1]
     flat = ids.reshape(-1)  # [T*k]
+    remote = None
+    if first_expert is not None:
+        flat = flat - first_expert
+        remote = (flat < 0) | (flat >= num_experts)  # [T*k] rows another rank computes
+        flat = flat.masked_fill(remote, num_experts)  # one extra bin, after every local group
     order = torch.argsort(flat, stable=True)  # sorted row -> (token, slot) index
     # Histogram without bincount (whose output length depends on the data).
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=hidden.device)
+    counts = torch.zeros(num_experts + (remote is not None), dtype=torch.int32, device=hidden.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = counts.cumsum(0, dtype=torch.int32)  # group ends, [E]
+    offs = counts[:num_experts].cumsum(0, dtype=torch.int32)  # group ends, [E]
     x = hidden.index_select(0, order // top_k)  # [T*k, D]
     gate, up = gate_up_mm(x, offs).float().chunk(2, dim=-1)  # [T*k, I] each
     y = down_mm((F.silu(gate) * up).to(hidden.dtype), offs).float()  # [T*k, D]
     # Back to (token, slot) order, then a float32 sum over each token's k experts (no atomics).
     y = torch.empty_like(y).index_copy_(0, order, y).view(num_tokens, top_k, dim)
+    if remote is not None:  # rows past the last group end hold whatever the GEMM left there
+        return torch.where(remote.view(num_tokens, top_k, 1), 0.0, y * weights[..., None]).sum(1).to(hidden.dtype)
     return (y * weights[..., None]).sum(1).to(hidden.dtype)
 
 
@@ -254,13 +273,17 @@ def _fp8_kernel_runs(hidden: torch.Tensor) -> bool:
     return hidden.device.type == "cuda"
 
 
-def _all_experts(hidden, weights, ids, gate_up_proj, down_proj) -> torch.Tensor:
-    """Every expert on every token, masked to the routed ones: work proportional to E."""
+def _all_experts(hidden, weights, ids, gate_up_proj, down_proj, num_routed=None, first_expert=None) -> torch.Tensor:
+    """Every (local) expert on every token, masked to the routed ones: work proportional to E.
+    Expert parallel: ``num_routed`` experts in all, this rank's from ``first_expert``."""
     num_tokens, num_experts = hidden.shape[0], gate_up_proj.shape[0]
     # Dense [T, E] combine weights (E is a shape, so no sync), and the routed mask keeps an
     # unrouted expert's output (even inf/nan) out of the sum.
-    combine = weights.new_zeros(num_tokens, num_experts).scatter_(1, ids, weights)
+    combine = weights.new_zeros(num_tokens, num_routed or num_experts).scatter_(1, ids, weights)
     routed = torch.zeros_like(combine, dtype=torch.bool).scatter_(1, ids, True)
+    if first_expert is not None:  # this rank's columns
+        combine = combine[:, first_expert : first_expert + num_experts]
+        routed = routed[:, first_expert : first_expert + num_experts]
     # Expert matmuls run in the weights' dtype (float32 accumulation inside, as transformers
     # does); activations and the sum over experts are float32.
     if num_tokens * num_experts <= _BATCHED_MAX_ROWS:
@@ -279,19 +302,20 @@ def _all_experts(hidden, weights, ids, gate_up_proj, down_proj) -> torch.Tensor:
 def moe_all_experts(
     hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func, topk_method,
     n_group, topk_group, norm_topk_prob, routed_scaling_factor, gate_up_scale=None, down_scale=None,
+    first_expert=None,
 ) -> torch.Tensor:
     """The oracle: ``moe``'s arguments and result, computed by running every expert on every
     token (the implementation before grouping). Tests compare the op against it."""
     _check_moe(
         hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
-        topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale,
+        topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale, first_expert,
     )
     weights, ids = route(
         router_logits, e_score_correction_bias, top_k, scoring_func, topk_method, n_group, topk_group,
         norm_topk_prob, routed_scaling_factor,
     )
     gate_up, down = _expert_weights(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
-    return _all_experts(hidden, weights, ids, gate_up, down)
+    return _all_experts(hidden, weights, ids, gate_up, down, router_logits.shape[1], first_expert)
 
 
 @custom_op("mlagraph::moe", mutates_args=())
@@ -310,6 +334,7 @@ def moe(
     routed_scaling_factor: float,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    first_expert: int | None = None,
 ) -> torch.Tensor:
     """Routed experts of a DeepSeek MoE layer (no shared experts), grouped by expert.
 
@@ -325,6 +350,10 @@ def moe(
         gate_up_scale: None, or [E, ceil(2I/128), ceil(D/128)] float32 block scales of fp8 gate_up_proj.
         down_scale: None, or [E, ceil(D/128), ceil(I/128)] float32 block scales of fp8 down_proj
             (both scales or neither).
+        first_expert: None (``gate_up_proj`` holds all E experts), or expert parallel: the
+            weights hold experts first_expert .. first_expert + E_local - 1 of the E that
+            ``router_logits`` scores, and the result is their share (the ranks' results sum
+            to the whole layer's).
 
     Returns:
         [T, D] in hidden's dtype: sum over the routed experts e of
@@ -334,7 +363,7 @@ def moe(
     """
     _check_moe(
         hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
-        topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale,
+        topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale, first_expert,
     )
     weights, ids = route(
         router_logits, e_score_correction_bias, top_k, scoring_func, topk_method, n_group, topk_group,
@@ -342,20 +371,21 @@ def moe(
     )
     gemms = _grouped_gemms(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
     if gemms is not None:
-        return _grouped_experts(hidden, weights, ids, gate_up_proj.shape[0], *gemms)
+        return _grouped_experts(hidden, weights, ids, gate_up_proj.shape[0], *gemms, first_expert=first_expert)
     # No grouped GEMM for this device and dtype (CUDA float32, say): the all-experts path,
     # which needs no host sync either, so the op stays capturable.
     gate_up, down = _expert_weights(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
-    return _all_experts(hidden, weights, ids, gate_up, down)
+    return _all_experts(hidden, weights, ids, gate_up, down, router_logits.shape[1], first_expert)
 
 
 @moe.register_fake
 def moe_fake(
     hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
     topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor, gate_up_scale=None, down_scale=None,
+    first_expert=None,
 ):
     _check_moe(
         hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
-        topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale,
+        topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale, first_expert,
     )
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)

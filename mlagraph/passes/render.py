@@ -4,8 +4,10 @@ Only what the passes act on is shown, so a golden changes when a pass changes an
 PyTorch changes a decomposition:
 
 - tensor inputs are ``in0, in1, ...`` in placeholder order (symbolic-size inputs are dropped);
-- ``mlagraph`` ops and ``aten.cat`` are printed one per line in topological order as
-  ``v3 = mlagraph.rope(q_pe=..., ...)``, arguments by schema name;
+- ``mlagraph`` ops, ``aten.cat`` and the collectives of a tensor-parallel rank
+  (``_c10d_functional.all_reduce`` ...; the ``wait_tensor`` after each is folded into it) are
+  printed one per line in topological order as ``v3 = mlagraph.rope(q_pe=..., ...)``,
+  arguments by schema name;
 - ``auto_functionalized(_v2)`` nodes are printed as the op they wrap, with the mutated tensor
   marked ``!`` (``kv_cache=in12!``);
 - ``getitem`` is folded into ``v3.1``; view-like ops are folded into their source with a
@@ -26,11 +28,14 @@ from .graph_utils import (
 )
 
 _SHOWN_ATEN = {"aten::cat"}
+_WAIT = "_c10d_functional::wait_tensor"
 
 
 def _shown(node: fx.Node) -> bool:
     name = op_name(node)
-    return name is not None and (name.startswith("mlagraph") or name in _SHOWN_ATEN)
+    if name is None or name == _WAIT:
+        return False
+    return name.startswith(("mlagraph", "_c10d_functional::")) or name in _SHOWN_ATEN
 
 
 def render(graph_or_module: fx.Graph | fx.GraphModule) -> str:
@@ -51,6 +56,8 @@ def render(graph_or_module: fx.Graph | fx.GraphModule) -> str:
         if isinstance(x, fx.Node):
             if x in names:
                 return names[x]
+            if op_name(x) == _WAIT:  # a collective's result, once waited for
+                return ref(x.args[0])
             if x.op == "call_function" and x.target is operator.getitem:
                 producer, i = x.args
                 if is_auto_functionalized(producer):

@@ -452,3 +452,47 @@ def test_grouped_moe_cuda_graph_capture(fp8):
     torch.testing.assert_close(out, moe_op(*args), rtol=0, atol=0)
     want = moe_all_experts(*args).float()
     assert ((out.float() - want).norm() / want.norm()) < 1e-2
+
+
+def _expert_shard(args, first: int, count: int):
+    """moe arguments holding only experts first .. first+count-1 (expert parallel), scales too."""
+    a = list(args)
+    for i in (2, 3, 12, 13):
+        if a[i] is not None:
+            a[i] = a[i][first : first + count].contiguous()
+    return (*a, first)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_expert_shards_sum_to_the_whole_layer(ranks, num_tokens, fp8):
+    """Expert parallel: each rank's share (first_expert, E/ranks local experts) through the
+    grouped path and the all-experts oracle; the shares sum to the whole layer."""
+    d, i = (FP8_D, FP8_I) if fp8 else (HIDDEN, INTER)
+    args = random_moe_args(num_tokens, E, d, i, ROUTINGS[3], fp8=fp8)
+    whole = moe_op(*args)
+    local = E // ranks
+    shares = [moe_op(*_expert_shard(args, r * local, local)) for r in range(ranks)]
+    torch.testing.assert_close(sum(shares), whole, rtol=1e-5, atol=1e-5)
+    oracle = [moe_all_experts(*_expert_shard(args, r * local, local)) for r in range(ranks)]
+    for got, want in zip(shares, oracle):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_shard_opcheck():
+    helpers.opcheck(moe_op, _expert_shard(random_moe_args(5, E, HIDDEN, INTER, ROUTINGS[3]), 4, 4))
+
+
+@pytest.mark.parametrize(
+    "first,count", [(6, 4), (-1, 4), (0, 9)], ids=["past the end", "negative", "more than router"]
+)
+def test_expert_shard_bad_first_expert(first, count):
+    args = random_moe_args(5, E, HIDDEN, INTER, ROUTINGS[3])
+    if count > E:  # more local experts than the router scores
+        a = list(args)
+        a[2], a[3] = torch.cat([a[2], a[2][:1]]), torch.cat([a[3], a[3][:1]])
+        shard = (*a, first)
+    else:
+        shard = _expert_shard(args, 0, count)[:-1] + (first,)  # 4 experts, said to start at first
+    helpers.assert_value_error(moe_op, shard, helpers.arg_error("first_expert"))

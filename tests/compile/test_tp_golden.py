@@ -1,0 +1,71 @@
+"""Golden graph of a tensor-parallel rank (world 2, gloo): rank 0's compiled decode step of a
+one-layer V3 model, after the passes, with its collectives. Shows what TP adds to a layer: an
+all-reduce after o_proj, one after the MLP, the vocab-parallel embedding's all-reduce and the
+lm_head's all-gather; the fused front and the decode op are those of world 1 with half the heads.
+
+After a deliberate change: ``EXPECTTEST_ACCEPT=1 python -m pytest tests/compile/test_tp_golden.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import expecttest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=240))
+    try:
+        import mlagraph
+        from mlagraph.model import DeepseekForCausalLM
+        from mlagraph.model.batch import build_batch
+        from tests.model.conftest import hf_config
+
+        cfg = hf_config("v3").to_dict() | {"num_hidden_layers": 1}
+        model = DeepseekForCausalLM.from_config(cfg, init_std=0.2, tensor_parallel_size=world)
+        caps, ps = model.backend.capabilities, 4
+        caches = model.allocate_caches(32, ps)
+        batch = build_batch(caps, [[1], [6]], [5, 2], [[0, 1], [2]], ps, is_decode=[True, True])
+        compiled = mlagraph.compile(model, backend="mlagraph_eager", fullgraph=True, dynamic=True, strict=True)
+        compiled(batch, caches)
+        if rank == 0:
+            with open(out, "w") as f:
+                f.write(mlagraph.passes.last_compile().after)
+    finally:
+        dist.destroy_process_group()
+
+
+class TestTensorParallelGolden(expecttest.TestCase):
+    def test_tp2_rank0_decode_layer(self):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "graph.txt")
+            os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+            ctx = mp.start_processes(_worker, args=(2, _free_port(), out), nprocs=2, join=False, start_method="spawn")
+            while not ctx.join(timeout=300):
+                pass
+            after = open(out).read()
+        self.assertExpectedInline(after, """\
+inputs: 28 tensors
+v0 = _c10d_functional.all_reduce(input=_, reduce_op='sum', group_name='0')
+# layer 0
+v1 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v2 = mlagraph.mla_decode(q_nope=_, q_pe=v1.0~, kv_cache=in14', block_table=in16, seq_lens=in17, scale=None, layout='bf16', softmax_scale=0.264642)
+v3 = _c10d_functional.all_reduce(input=_, reduce_op='sum', group_name='0')
+v4 = _c10d_functional.all_reduce(input=_, reduce_op='sum', group_name='0')
+v5 = _c10d_functional.all_gather_into_tensor(input=_, group_size=2, group_name='0')
+v6 = aten.cat([v5~, v5~], 1)""")
