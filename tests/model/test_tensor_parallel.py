@@ -61,6 +61,15 @@ def _worker(rank: int, world: int, port: int, ckpts: dict, compile: bool) -> Non
             assert heads == single.model.layers[0].self_attn.num_heads // world, heads
             want = _outputs(single, compile=False)
             _same(_outputs(split, compile), want)
+            if not compile:  # sampled tokens: every rank draws the same (same seed, same logits)
+                from mlagraph.model import Engine
+
+                sampled = Engine(split, max_num_seqs=4, max_model_len=64, page_size=4, progress=False).generate(
+                    _prompts(), max_new_tokens=6, temperature=1.0, ignore_eos=True)
+                mine = [o.token_ids for o in sampled]
+                every = [None] * world
+                dist.all_gather_object(every, mine)
+                assert all(e == mine for e in every), every
             if kind in ckpts:  # from a checkpoint: each rank reads its slices
                 with pytest.raises(ValueError, match="fp8_weights: 'keep' is not supported with tensor_parallel_size"):
                     DeepseekForCausalLM.from_pretrained(ckpts[kind], fp8_weights="keep", tensor_parallel_size=world)
