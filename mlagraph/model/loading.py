@@ -172,6 +172,7 @@ def load_checkpoint(
                         if not 0 <= e < local_experts.get(em.group(1), 0):
                             continue  # another rank's expert: not read
                         key = f"{em.group(1)}.{e}.{em.group(3)}.weight"
+                        em = _EXPERT.match(key)  # with the local index
                     tensor, scale = _read(f, disk_key, key, ps), None
                     if tensor.dtype == FP8_DTYPE:
                         scale_key = disk_key + "_scale_inv"
@@ -186,7 +187,6 @@ def load_checkpoint(
                             tensor, scale = dequantize_blockwise(tensor, scale.float(), torch.float32), None
                             sl = None if em else local_slice(key, tensor.shape, ps)
                             tensor = tensor if sl is None else tensor.narrow(*sl)  # read whole: its scales tile it
-                    em = _EXPERT.match(key)
                     if tensor.dtype != FP8_DTYPE and key in kept:  # its scale said fp8: its layer was made fp8
                         misshaped.append(
                             f"{key}: expected dtype float8_e4m3fn (it has a weight_scale_inv), got {tensor.dtype}"
@@ -239,12 +239,11 @@ def load_checkpoint(
 def _read(f, disk_key: str, key: str, ps) -> torch.Tensor:
     """The tensor at ``disk_key``, or this rank's slice of it when ``key`` is split across
     ranks (only that slice is read). fp8 weights are read whole: their block scales tile them."""
-    if ps.world == 1:
+    if ps.world == 1 or _EXPERT.match(key):  # one expert's weight is read whole by the rank that holds it
         return f.get_tensor(disk_key)
     sliced = f.get_slice(disk_key)
-    shape = sliced.get_shape()
-    sl = local_slice(key, shape, ps) if sliced.get_dtype() not in ("F8_E4M3", "float8_e4m3fn") else None
-    if sl is None or _EXPERT.match(key):
+    sl = local_slice(key, sliced.get_shape(), ps) if sliced.get_dtype() not in ("F8_E4M3", "float8_e4m3fn") else None
+    if sl is None:
         return f.get_tensor(disk_key)
     dim, start, n = sl
     return sliced[tuple([slice(None)] * dim + [slice(start, start + n)])]

@@ -99,8 +99,8 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, ps: Parall
     return all_reduce(out.masked_fill(outside[:, None], 0), ps)
 
 
-# How each parameter of a V2/V3/V3.2 model is split across ranks, by the end of its name:
-# (dim, what) splits ``dim`` evenly; names not listed are replicated. Attention: q and kv_b are
+# How each parameter of a V2/V3/V3.2 model is split across ranks, by the end of its name: the
+# dim split evenly; names not listed are replicated. Attention: q and kv_b are
 # split by heads (column parallel), o_proj by its input (row parallel, then one all-reduce);
 # dense MLPs and shared experts likewise by the intermediate dim; routed experts by expert
 # (expert parallel); embedding and lm_head by vocabulary. The latent projection, the norms,

@@ -273,13 +273,13 @@ def _fp8_kernel_runs(hidden: torch.Tensor) -> bool:
     return hidden.device.type == "cuda"
 
 
-def _all_experts(hidden, weights, ids, gate_up_proj, down_proj, num_routed=None, first_expert=None) -> torch.Tensor:
+def _all_experts(hidden, weights, ids, gate_up_proj, down_proj, num_routed, first_expert) -> torch.Tensor:
     """Every (local) expert on every token, masked to the routed ones: work proportional to E.
-    Expert parallel: ``num_routed`` experts in all, this rank's from ``first_expert``."""
+    ``num_routed`` experts in all; expert parallel: this rank's from ``first_expert``."""
     num_tokens, num_experts = hidden.shape[0], gate_up_proj.shape[0]
     # Dense [T, E] combine weights (E is a shape, so no sync), and the routed mask keeps an
     # unrouted expert's output (even inf/nan) out of the sum.
-    combine = weights.new_zeros(num_tokens, num_routed or num_experts).scatter_(1, ids, weights)
+    combine = weights.new_zeros(num_tokens, num_routed).scatter_(1, ids, weights)
     routed = torch.zeros_like(combine, dtype=torch.bool).scatter_(1, ids, True)
     if first_expert is not None:  # this rank's columns
         combine = combine[:, first_expert : first_expert + num_experts]
