@@ -8,26 +8,18 @@ After a deliberate change: ``EXPECTTEST_ACCEPT=1 python -m pytest tests/compile/
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
+import tempfile
 
 import expecttest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ranks import join_gloo, spawn_ranks
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=240))
+
+def _worker(rank: int, world: int, init_method: str, out: str) -> None:
+    join_gloo(rank, world, init_method)
     try:
         import mlagraph
         from mlagraph.model import DeepseekForCausalLM
@@ -50,14 +42,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 class TestTensorParallelGolden(expecttest.TestCase):
     def test_tp2_rank0_decode_layer(self):
-        import tempfile
-
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "graph.txt")
-            os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-            ctx = mp.start_processes(_worker, args=(2, _free_port(), out), nprocs=2, join=False, start_method="spawn")
-            while not ctx.join(timeout=300):
-                pass
+            spawn_ranks(_worker, 2, out, timeout=300)
             after = open(out).read()
         self.assertExpectedInline(after, """\
 inputs: 28 tensors

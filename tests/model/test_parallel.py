@@ -3,31 +3,20 @@ and compiled (dynamo fullgraph), in spawned processes with a bounded run time.""
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mlagraph.model import parallel
 from mlagraph.model.config import DeepseekConfig
 from tests.model.conftest import hf_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ranks import join_gloo, spawn_ranks
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+
+def _worker(rank: int, world: int, init_method: str) -> None:
+    join_gloo(rank, world, init_method, seconds=60)
     try:
         with pytest.raises(ValueError, match="world size"):
             parallel.parallel_state(world + 1)
@@ -49,10 +38,7 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives_on_gloo(world):
-    os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-    ctx = mp.start_processes(_worker, args=(world, _free_port()), nprocs=world, join=False, start_method="spawn")
-    while not ctx.join(timeout=120):
-        pass
+    spawn_ranks(_worker, world, timeout=120)
 
 
 def test_errors_without_process_group():

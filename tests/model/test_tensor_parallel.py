@@ -4,26 +4,16 @@ V2, V3 and V3.2, from a config and from a checkpoint, eager and compiled."""
 
 from __future__ import annotations
 
-import datetime
-import os
 import random
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.model.conftest import VOCAB, hf_config, make_hf_model
+from tests.ranks import join_gloo, spawn_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KINDS = ("v2", "v3", "v32")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompts() -> list[list[int]]:
@@ -48,9 +38,8 @@ def _same(got, want) -> None:
     assert [t.token_ids for t in tok] == [t.token_ids for t in tok_want]
 
 
-def _worker(rank: int, world: int, port: int, ckpts: dict, compile: bool) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=240))
+def _worker(rank: int, world: int, init_method: str, ckpts: dict, compile: bool) -> None:
+    join_gloo(rank, world, init_method)
     try:
         from mlagraph.model import DeepseekForCausalLM
 
@@ -80,13 +69,6 @@ def _worker(rank: int, world: int, port: int, ckpts: dict, compile: bool) -> Non
         dist.destroy_process_group()
 
 
-def _spawn(world: int, *args) -> None:
-    os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), *args), nprocs=world, join=False,
-                             start_method="spawn")
-    while not ctx.join(timeout=600):
-        pass
-
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_eager_ranks_equal_one_rank(world, tmp_path):
@@ -94,9 +76,9 @@ def test_eager_ranks_equal_one_rank(world, tmp_path):
     for kind in ("v3",):
         make_hf_model(kind).save_pretrained(tmp_path / kind)
         ckpts[kind] = str(tmp_path / kind)
-    _spawn(world, ckpts, False)
+    spawn_ranks(_worker, world, ckpts, False)
 
 
 def test_compiled_ranks_equal_one_rank():
     """mlagraph.compile on each rank (passes and lints over graphs with collectives)."""
-    _spawn(2, {}, True)
+    spawn_ranks(_worker, 2, {}, True)
