@@ -153,3 +153,28 @@ def test_engine_page_size_follows_the_table(fake_twins):
     (r,) = _models("reference")
     assert Engine(r, max_num_seqs=2, max_model_len=128).page_size == 16
     assert "backend=fake_flashmla" in repr(m).splitlines()[:2][-1]  # the summary names the backend
+
+
+def test_golden_decode_graphs(fake_twins):
+    """The decode graph on each backend, pinned: triton's fused front on both; FlashMLA reads
+    both halves of the fused op's q in place (q joined, decode_q_split=False); FlashInfer reads
+    q_nope from the projection and q_pe from the fused op (the concat is eliminated)."""
+    import expecttest
+
+    tc = expecttest.TestCase()
+    graphs = {}
+    for name in ("fake_flashmla", "fake_flashinfer"):
+        (m,) = _models(name)
+        _run(m, "decode", compiled=True)
+        graphs[name] = "\n".join(line for line in passes.last_compile().after.splitlines() if "layer 1" not in line
+                                 and "mlagraph.moe" not in line and not line.startswith(("v2 ", "v3 ")))
+    tc.assertExpectedInline(graphs["fake_flashmla"], """\
+inputs: 40 tensors
+# layer 0
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in10, cos_sin_cache=in2, kv_cache=in11!, slot_mapping=in12, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_flashmla.mla_decode(q_nope=v0.0~, q_pe=v0.0~, kv_cache=in11', block_table=in13, seq_lens=in14, scale=None, layout='bf16', softmax_scale=0.144951)""")
+    tc.assertExpectedInline(graphs["fake_flashinfer"], """\
+inputs: 40 tensors
+# layer 0
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in10, cos_sin_cache=in2, kv_cache=in11!, slot_mapping=in12, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_flashinfer.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in11', block_table=in13, seq_lens=in14, scale=None, layout='bf16', softmax_scale=0.144951)""")

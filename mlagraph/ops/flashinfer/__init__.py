@@ -11,8 +11,8 @@ made once per step from the batch's host metadata (mlagraph.ops.host_plan):
 
 Every other generic op is a declared fallback to triton's (moe and V4: reference), the fused
 RoPE + cache write included: the fusion pass targets triton's fused op on this backend.
-FlashInfer's own RoPE / RoPE + quantize / paged MLA append helpers are not mapped yet (see
-docs/design.md). Registered whether or not the package is installed.
+FlashInfer's own RoPE / RoPE + quantize / paged MLA append helpers are not mapped: for a bf16
+cache they are two kernels and a concat against triton's one (docs/design.md). Registered whether or not the package is installed.
 """
 
 from __future__ import annotations
