@@ -178,3 +178,32 @@ inputs: 40 tensors
 # layer 0
 v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in10, cos_sin_cache=in2, kv_cache=in11!, slot_mapping=in12, scale=None, layout='bf16', interleaved=True)
 v1 = mlagraph_flashinfer.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in11', block_table=in13, seq_lens=in14, scale=None, layout='bf16', softmax_scale=0.144951)""")
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_auto_composition_compiles_and_equals_reference(fake_twins, kind):
+    """An ``auto`` composition (FlashMLA decode, FlashInfer prefill, triton elsewhere) is a
+    backend of its own to the compiler and the lints, and computes what the reference does."""
+    from mlagraph.ops import auto
+
+    parts = {g: "triton" for g in backends.GENERIC_OPS} | {"mla_decode": "fake_flashmla", "mha_prefill": "fake_flashinfer",
+                                                          "sparse_mla": "fake_flashmla"}
+    composed = auto.build(parts)
+    backends._COMPOSED[composed.name] = composed
+    try:
+        ref, m = _models("reference", composed.name)
+        assert m.backend is composed and engine_page_size(m) == 64
+        _, want = _run(ref, kind, compiled=False)
+        _, got = _run(m, kind, compiled=True, calls=fake_twins)
+        torch.testing.assert_close(got, want, atol=1e-1, rtol=5e-2)
+        assert passes.last_compile().backend == composed.name
+        own = "flashmla.mla_decode" if kind == "decode" else "flashinfer.mha_prefill"
+        assert dict(fake_twins) == {own: 2}
+    finally:
+        backends._COMPOSED.pop(composed.name)
+
+
+def engine_page_size(model) -> int:
+    from mlagraph.model import Engine
+
+    return Engine(model, max_num_seqs=2, max_model_len=128).page_size
