@@ -87,7 +87,7 @@ def test_mla_decode(name, heads, s_q, layout):
     check(got, want, f"{name}.mla_decode H{heads} s_q {s_q} {layout}")
 
 
-@pytest.mark.parametrize("name,layout", [("flashmla", "bf16"), ("flashmla", "fp8_ds")])
+@pytest.mark.parametrize("name,layout", [("flashmla", "bf16"), ("flashmla", "fp8_ds"), ("flashinfer", "bf16")])
 def test_mla_decode_in_a_cuda_graph_replans_per_replay(name, layout):
     """Captured once inside a step, replayed with other lengths after Step.refresh."""
     b = need(name)
