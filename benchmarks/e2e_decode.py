@@ -70,7 +70,7 @@ CHECK_BATCH, CHECK_CTX = 2, 100  # the HF-vs-mlagraph check: two pages per reque
 @dataclasses.dataclass(frozen=True)
 class Variant:
     label: str
-    backend: str = "base"  # "base": --backend; "aiter"; "ref_decode": --backend with the reference decode
+    backend: str = "base"  # "base": --backend; a backend name; "ref_decode": --backend with the reference decode
     compile: bool = False
     graphs: bool = False
     passes: tuple[str, ...] | None = None  # None: all of mlagraph's passes
@@ -82,6 +82,9 @@ VARIANTS = {
     "no_passes": Variant("compiled, no passes", compile=True, passes=()),
     "full": Variant("compiled + graphs", compile=True, graphs=True),
     "aiter": Variant("compiled + graphs (aiter)", backend="aiter", compile=True, graphs=True),
+    "flashmla": Variant("compiled + graphs (flashmla)", backend="flashmla", compile=True, graphs=True),
+    "flashinfer": Variant("compiled + graphs (flashinfer)", backend="flashinfer", compile=True, graphs=True),
+    "auto": Variant("compiled + graphs (auto)", backend="auto", compile=True, graphs=True),
     "no_fusion": Variant("- fusion", compile=True, graphs=True, passes=("eliminate_concat",)),
     "no_concat_elim": Variant("- concat elimination", compile=True, graphs=True, passes=("fuse_rope_concat_cache",)),
     "ref_decode": Variant("- our decode kernel", backend="ref_decode", compile=True, graphs=True),
@@ -422,12 +425,15 @@ def compiled_hf(hf, batch: int, ctx: int, iters: int) -> dict:
             torch._dynamo.reset()  # gives back the recorded graphs' memory
 
 
+_NAMED = ("aiter", "flashmla", "flashinfer", "auto")  # variants that name their backend
+
+
 def skip_reason(v: Variant, backend: str, device: torch.device) -> str | None:
     if v.graphs and device.type != "cuda":
         return "CUDA graphs need a CUDA device (the Engine raises)"
     if v.backend == "ref_decode" and backend == "reference":
         return "--backend reference already runs the reference decode"
-    triton = v.backend == "aiter" or backend != "reference"
+    triton = v.backend in _NAMED or backend != "reference"
     if device.type == "cpu" and triton and os.environ.get("TRITON_INTERPRET") != "1":
         return "Triton kernels on CPU need TRITON_INTERPRET=1 (far too slow to time)"
     return None
@@ -454,7 +460,7 @@ def run_mlagraph(key: str, models: Models, base: str, batches, contexts, results
     info = {"label": v.label, "engine_kwargs": engine_kwargs(v, batches, contexts)}
     added = engine = None
     try:
-        name = "aiter" if v.backend == "aiter" else base
+        name = v.backend if v.backend in _NAMED else base
         if v.backend == "ref_decode":
             added = backends.register(ref_decode_backend(backends.get(base)))
             name = added.name

@@ -1,6 +1,6 @@
 """Every MLA kernel of our triton and aiter backends, checked and timed next to peers in one run.
 
-    python benchmarks/kernels.py --out DIR [--only decode,fused,...] [--no-compile]
+    python benchmarks/kernels.py --out DIR [--only decode,fused,...,flash] [--no-compile]
 
 For each workload (DeepSeek-V3 dimensions, bf16, random inputs) every variant is first checked
 against a float32 reference (relative error ||out - ref|| / ||ref||; a failed check is reported
@@ -686,8 +686,10 @@ def report(rows: list[Row], out: str | None) -> None:
             print(f"(no plot: {e}; run python benchmarks/plot_kernels.py {path})")
 
 
+from flash_peers import bench_flash  # noqa: E402  (the flashmla / flashinfer backends beside the raw kernels)
+
 WORKLOADS = {"fused": bench_fused, "decode": bench_decode, "prefill": bench_prefill, "sparse": bench_sparse,
-             "cache": bench_cache, "indexer": bench_indexer, "moe": bench_moe}
+             "cache": bench_cache, "indexer": bench_indexer, "moe": bench_moe, "flash": bench_flash}
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,11 @@ A batch of n decoding requests (one new token each) runs in the smallest bucket 
 (dense or sparse for DSA models) is made on the host before the replay (docs/design.md rule 7), and
 every plan variant a decode step can take has its own graph. Larger batches, multi-token decode
 and any step with prompt tokens run without graphs.
+
+Library kernels that plan on the host (FlashInfer) or keep per-step device metadata (FlashMLA's
+scheduler) do so in a :class:`~mlagraph.ops.host_plan.Step` kept with each graph: its plans are
+made during the warm-up, outside the capture, so the capture only launches kernels, and before
+every replay ``Step.refresh`` re-plans them from the step's host metadata into the same buffers.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+
+from ..ops import host_plan
 
 from ..model.batch import (
     PAD_SLOT, PAD_TOKEN, Batch, BatchKind, BatchPlan, ForwardMethod, NoForwardMethod, choose_forward_method,
@@ -160,6 +167,18 @@ class StaticDecodeInputs:
             self._set_row(i, pages[i] if i < n else ())
         self._dev.copy_(self._host, non_blocking=True)
 
+    def mirrors(self, batch: Batch) -> dict:
+        """The static ``batch``'s metadata tensors -> their host values now (after ``fill``)."""
+        b = batch.num_reqs
+        host32 = self._host32
+        table = host32[self._table_at : self._table_at + self.max_bs * self.max_pages].view(self.max_bs, -1)
+        return {
+            batch.seq_lens: host32[:b],
+            batch.cu_seqlens_k: host32[self._cu_k_at : self._cu_k_at + b + 1],
+            batch.block_table: table[:b],
+            batch.cu_seqlens_q: torch.arange(b + 1, dtype=torch.int32),
+        }
+
     def _set_row(self, i: int, pages: Sequence[int]) -> None:
         old, k, n = self._rows[i], len(pages), len(self._rows[i])
         if k == n and (k == 0 or pages[-1] == old[-1]) and list(pages) == old:
@@ -180,6 +199,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     batch: Batch
     logits: torch.Tensor  # [bucket, V]: the graph's output, rewritten by every replay
+    step: host_plan.Step  # the library plans the graph reads, re-planned before each replay
 
 
 class DecodeGraphs:
@@ -236,17 +256,20 @@ class DecodeGraphs:
         # side stream as capture requires; the buffers hold padding only: nothing is written.
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), torch.no_grad():
+        step = host_plan.Step(self.inputs.mirrors(batch))  # plans made in the warm-up, reused by the capture
+        with torch.cuda.stream(side), torch.no_grad(), host_plan.step(step):
             for _ in range(2):
                 self._fn(batch, self._caches)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad(), host_plan.step(step):
             logits = self._fn(batch, self._caches)
-        self.graphs[(bucket, method)] = _Captured(graph, batch, logits)
+        self.graphs[(bucket, method)] = _Captured(graph, batch, logits, step)
 
     def _replay(self, bucket: int, method: ForwardMethod) -> torch.Tensor:
         captured = self.graphs[(bucket, method)]
+        if captured.step.num_plans:  # re-plan from this step's metadata, into the graph's buffers
+            captured.step.refresh(self.inputs.mirrors(captured.batch))
         captured.graph.replay()
         return captured.logits
 
@@ -277,5 +300,8 @@ class InductorDecodeGraphs(DecodeGraphs):
 
     def _replay(self, bucket: int, method: ForwardMethod) -> torch.Tensor:
         torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-        with torch.no_grad():
-            return self._fn(self.batches[(bucket, method)], self._caches)
+        batch = self.batches[(bucket, method)]
+        # Inductor's trees call the ops only while recording; a library's per-step plans cannot
+        # be refreshed between its replays, so those backends use our own capture (DecodeGraphs).
+        with torch.no_grad(), host_plan.step(self.inputs.mirrors(batch)):
+            return self._fn(batch, self._caches)

@@ -62,7 +62,9 @@ class Engine:
             stop generation unless ``ignore_eos=True``.
         max_num_seqs: requests running at once.
         max_model_len: longest request (prompt + generated tokens).
-        page_size: tokens per cache page.
+        page_size: tokens per cache page; None: the backend's ``preferred_page_size`` (64 where
+            FlashMLA decodes, since its dense decode reads pages of 64 only; else 16). A size
+            the backend's ``page_sizes`` does not list raises (docs/design.md, page size).
         compile: run the step through :func:`mlagraph.compile` (Inductor + mlagraph's passes),
             fullgraph with dynamic token and request dimensions. The first step of each batch-plan
             variant compiles its graph (a progress line says so on a terminal).
@@ -94,13 +96,15 @@ class Engine:
     """
 
     def __init__(
-        self, model: DeepseekForCausalLM, max_num_seqs: int = 8, max_model_len: int = 1024, page_size: int = 16,
+        self, model: DeepseekForCausalLM, max_num_seqs: int = 8, max_model_len: int = 1024, page_size: int | None = None,
         compile: bool = False, cuda_graphs: bool = False, prefill_chunk_size: int | None = None,
         num_pages: int | None = None, seed: int = 0, compile_backend: str = "mlagraph",
         dsa_dense_max_kv_len: int | None = None, compile_options: dict | None = None,
         cuda_graph_batch_sizes: Sequence[int] | None = None, progress: bool | None = None,
         prefix_caching: bool = False,
     ):
+        if page_size is None:
+            page_size = model.backend.capabilities.preferred_page_size
         _check_args(model, max_num_seqs, max_model_len, page_size, compile, cuda_graphs, prefill_chunk_size,
                     num_pages, compile_backend, compile_options, cuda_graph_batch_sizes, progress, prefix_caching)
         if dsa_dense_max_kv_len is None:
@@ -356,6 +360,10 @@ def _check_args(model, max_num_seqs, max_model_len, page_size, compile, cuda_gra
     for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("page_size", page_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"Engine: {name}: expected a positive int, got {value!r}")
+    allowed = getattr(model.backend.capabilities, "page_sizes", None)
+    if allowed is not None and page_size not in allowed:
+        raise ValueError(f"Engine: page_size: backend {model.backend.name!r} takes pages of {sorted(allowed)} tokens, "
+                         f"got {page_size}")
     for name, value in (("prefill_chunk_size", prefill_chunk_size), ("num_pages", num_pages)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"Engine: {name}: expected a positive int or None, got {value!r}")

@@ -17,6 +17,7 @@ import torch
 from . import cuda_graphs as graphs
 from ..model.batch import BatchKind, build_batch, plan_step
 from ..model.deepseek import DeepseekForCausalLM
+from ..ops import host_plan
 from .progress import CompileProgress
 from .request import Request
 
@@ -84,12 +85,14 @@ class ModelRunner:
             if batch.plan.kind is BatchKind.DECODE and self.inductor_graphs:
                 step_fn = self.decode_fn  # compiled with a CUDA-graph mode: Inductor's graphs
                 torch.compiler.cudagraph_mark_step_begin()
-            if self.compile_progress is None:
-                logits = step_fn(batch, self.caches)
-            else:
-                key = (batch.variant, step_fn is self.decode_fn)  # one compiled graph per variant
-                with self.compile_progress.step(key, f"{batch.plan.kind.value} ({batch.method.value})"):
+            # one step: library kernels plan once from the batch's host metadata (ops/host_plan.py)
+            with host_plan.step(batch.mirrors):
+                if self.compile_progress is None:
                     logits = step_fn(batch, self.caches)
+                else:
+                    key = (batch.variant, step_fn is self.decode_fn)  # one compiled graph per variant
+                    with self.compile_progress.step(key, f"{batch.plan.kind.value} ({batch.method.value})"):
+                        logits = step_fn(batch, self.caches)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         n = len(plan)
@@ -104,6 +107,11 @@ class ModelRunner:
             buckets = graphs.check_buckets(sizes, self.max_num_seqs, self.min_reqs)
         plans = graphs.decode_plans(self.model.backend.capabilities, self.model.config.uses_dsa)
         max_pages = max(math.ceil(self.max_model_len / self.page_size), 1)
+        if inductor_graphs and self.model.backend.capabilities.step_metadata:
+            raise ValueError(
+                f"Engine: backend {self.model.backend.name!r} plans its kernels once per step, which Inductor's "
+                "CUDA-graph trees cannot redo between replays: use cuda_graphs=True without "
+                "compile_options={'mode': 'reduce-overhead'}")
         cls = graphs.InductorDecodeGraphs if inductor_graphs else graphs.DecodeGraphs
         return cls(decode_fn, self.caches, buckets, plans, max_pages, self.device, progress)
 

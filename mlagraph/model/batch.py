@@ -227,6 +227,9 @@ class Batch:
     logits_indices: torch.Tensor
     split: DsaSplit | None = None  # DSA_SPLIT batches only
     single_request: bool = False
+    # device metadata tensor -> its host copy, for the kernels' per-step plans (ops/host_plan.py);
+    # never read inside the step, so not part of any graph
+    mirrors: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def variant(self) -> tuple[BatchPlan, ForwardMethod, bool]:
@@ -322,8 +325,13 @@ def build_batch(
         cu_k.append(cu_k[-1] + s)
     logits_rows = list(range(cu_q[-1])) if all_logits else [c - 1 for c in cu_q[1:]]
 
+    mirrors = {}
+
     def t(x, dtype):
-        return torch.tensor(x, dtype=dtype, device=device)
+        host = torch.tensor(x, dtype=dtype)
+        dev = host.to(device)
+        mirrors[dev] = host  # the host values, for library plans made once per step
+        return dev
 
     split = None
     if method is ForwardMethod.DSA_SPLIT:
@@ -356,4 +364,5 @@ def build_batch(
         logits_indices=t(logits_rows, torch.int64),
         split=split,
         single_request=single and method is ForwardMethod.MHA,
+        mirrors=mirrors,
     )

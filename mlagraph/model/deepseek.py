@@ -139,15 +139,17 @@ class DeepseekForCausalLM(nn.Module):
 
     def __init__(
         self, cfg: DeepseekConfig, backend: str = "reference", kv_cache_dtype: str = "auto",
-        parallel: ParallelState = SINGLE,
+        parallel: ParallelState = SINGLE, device: str | torch.device | None = None,
     ):
         super().__init__()
         self.config = cfg
         check_divisible(cfg, parallel)
         self.parallel = parallel  # tensor / expert parallel ranks (mlagraph/model/parallel.py)
-        self.backend = backends.get(backend)
         self.kv_cache_dtype = kv_cache_dtype
         self.cache_layout = layouts.latent_layout_for(kv_cache_dtype)
+        # "auto": composed for the device the model runs on and its cache layout (ops/auto.py)
+        self.backend = backends.get(backend, device, self.cache_layout)
+        backend = self.backend.name
         if self.cache_layout not in self.backend.capabilities.latent_layouts:
             raise ValueError(
                 f"kv_cache_dtype: backend {backend!r} supports cache layouts "
@@ -184,6 +186,11 @@ class DeepseekForCausalLM(nn.Module):
 
     # --- construction --------------------------------------------------------------------
 
+    def extra_repr(self) -> str:
+        """The model summary's first line: the attention backend (for ``"auto"`` its composition,
+        e.g. ``auto[mla_decode=flashmla,mha_prefill=flashinfer,sparse_mla=flashmla,*=triton]``)."""
+        return f"backend={self.backend.name}, kv_cache_dtype={self.kv_cache_dtype!r} ({self.cache_layout})"
+
     @classmethod
     def from_config(
         cls, hf_config, *, backend: str = "reference", dtype: torch.dtype = torch.float32,
@@ -218,7 +225,7 @@ class DeepseekForCausalLM(nn.Module):
         std = init_std if init_std is not None else _initializer_range(hf_config)
         on_gpu = torch.device(device).type == "cuda"
         with torch.device(device if on_gpu else "cpu"):
-            model = cls(cfg, backend=backend, kv_cache_dtype=kv_cache_dtype)
+            model = cls(cfg, backend=backend, kv_cache_dtype=kv_cache_dtype, device=device)
         g = torch.Generator(device=device if on_gpu else "cpu").manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -281,7 +288,7 @@ class DeepseekForCausalLM(nn.Module):
         cfg = DeepseekConfig.from_hf(path)
         check_shards(checkpoint_files(path))
         tokenizer, eos = Tokenizer.from_dir(path), eos_token_ids(path, cfg.vocab_size)
-        model = cls(cfg, backend=backend, kv_cache_dtype=kv_cache_dtype, parallel=ps)
+        model = cls(cfg, backend=backend, kv_cache_dtype=kv_cache_dtype, parallel=ps, device=device)
         load_checkpoint(model, path, progress=progress and ps.rank == 0, fp8_weights=fp8_weights, dtype=dtype)
         model.tokenizer, model.eos_token_ids = tokenizer, eos
         return model.to_device_dtype(device, dtype)

@@ -18,7 +18,7 @@ implementation in plain PyTorch:
 - :mod:`.moe_v4`   ``v4_moe`` (V4 routing: sqrtsoftplus, hash; clamped experts)
 
 Cache layouts are described in :mod:`.layouts` (V4's in :mod:`.v4_layouts`); backends and their capability tables in
-:mod:`.backends`.
+:mod:`.backends`; ``backend="auto"`` in :mod:`.auto`; per-step kernel metadata in :mod:`.host_plan`.
 """
 
 from . import layouts  # noqa: F401
@@ -27,4 +27,6 @@ from . import swa, swa_decode, compressor, moe_v4  # noqa: F401  (DeepSeek-V4's 
 from . import backends  # noqa: F401
 from . import triton  # noqa: F401  (registers the triton backend and its ops)
 from . import aiter  # noqa: F401  (registers the aiter backend and its ops; amd-aiter optional)
+from . import flashmla  # noqa: F401  (FlashMLA's SM90 kernels; sgl-flash-mla optional)
+from . import flashinfer  # noqa: F401  (FlashInfer's fa3 kernels; flashinfer-python optional)
 from .rope import rope_cos_sin_cache  # noqa: F401

@@ -8,12 +8,15 @@ module-level switch reaches an op, a pass or a dispatch function (docs/design.md
 
     >>> from mlagraph.ops import backends
     >>> backends.names()
-    ['reference', 'triton', 'aiter']
+    ['reference', 'triton', 'aiter', 'flashmla', 'flashinfer']
     >>> backends.get("triton").capabilities.fused_returns_k
     True
     >>> backends.get("cuda")
     Traceback (most recent call last):
-    ValueError: unknown backend 'cuda'; known backends: reference, triton, aiter
+    ValueError: unknown backend 'cuda'; known backends: reference, triton, aiter, flashmla, flashinfer, auto
+
+``"auto"`` is not a table of its own: :func:`get` composes it, per device, from the registered
+tables (:mod:`.auto`).
 """
 
 from __future__ import annotations
@@ -77,6 +80,14 @@ class Capabilities:
         cuda_graph_safe: generic ops whose kernels are safe to capture in a CUDA graph.
         fallbacks: generic op -> backend whose implementation this backend uses for it. Declared
             here once: :func:`op_names_for` derives the op map from it, :func:`register` checks it.
+        page_sizes: the cache page sizes its kernels take (None: any). FlashMLA's dense decode
+            reads pages of 64 tokens only.
+        preferred_page_size: the Engine's page size when none is given (in ``page_sizes``).
+        sm: the CUDA compute capabilities (major * 10 + minor) its own kernels run on; None: any
+            device Triton or PyTorch runs on (CPU included, through the interpreter).
+        step_metadata: its ops share metadata made once per step (FlashInfer's host ``plan()``,
+            FlashMLA's tile scheduler) through :mod:`mlagraph.ops.host_plan`; the engine opens
+            a step around every forward and re-plans before every CUDA-graph replay.
     """
 
     latent_layouts: frozenset[str]
@@ -93,10 +104,17 @@ class Capabilities:
     cuda_graph_safe: frozenset[str]
     dense_prefill_sdpa: bool = False
     fallbacks: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    page_sizes: frozenset[int] | None = None
+    preferred_page_size: int = 16
+    sm: frozenset[int] | None = None
+    step_metadata: bool = False
 
     def __post_init__(self) -> None:
         # Freeze the mapping so a table can never be edited after registration.
         object.__setattr__(self, "fallbacks", MappingProxyType(dict(self.fallbacks)))
+        if self.page_sizes is not None and self.preferred_page_size not in self.page_sizes:
+            raise ValueError(f"Capabilities: preferred_page_size {self.preferred_page_size} is not in "
+                             f"page_sizes {sorted(self.page_sizes)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +126,8 @@ class Backend:
     op_names: Mapping[str, str]  # generic op -> "namespace::op"
     available: bool = True
     reason: str = ""  # why it is unavailable, and how to fix that
+    # Composed backends ("auto"): generic op -> the registered backend whose op it runs.
+    parts: Mapping[str, str] | None = None
 
     def op(self, generic: str) -> torch._ops.OpOverloadPacket:
         if generic not in self.op_names:
@@ -126,6 +146,7 @@ class Backend:
 
 
 _REGISTRY: dict[str, Backend] = {}
+_COMPOSED: dict[str, Backend] = {}  # "auto" compositions made so far, by name (auto.py)
 
 
 def op_names_for(namespace: str, own: Iterable[str], fallbacks: Mapping[str, str]) -> dict[str, str]:
@@ -171,8 +192,9 @@ def unregister(name: str) -> Backend:
 
 
 def registered() -> list[Backend]:
-    """Every registered backend, available or not (graph lints check all their private ops)."""
-    return list(_REGISTRY.values())
+    """Every registered backend, available or not (graph lints check all their private ops),
+    then the ``auto`` compositions made so far (the compiler finds a model's backend by name)."""
+    return list(_REGISTRY.values()) + list(_COMPOSED.values())
 
 
 def names() -> list[str]:
@@ -180,18 +202,59 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
-def get(name: str) -> Backend:
+def get(name: str, device: torch.device | str | None = None, layout: str = "bf16") -> Backend:
     """The backend called ``name``; ValueError listing the known names if there is none.
 
-    A registered but unavailable backend (say, ``aiter`` without its wheel) raises too, with
-    the reason and how to install what it needs.
+    A registered but unavailable backend (say, ``aiter`` without its wheel, or ``flashmla`` on
+    a machine without a Hopper GPU) raises too, with the reason and how to fix it.
+    ``"auto"`` is composed for ``device`` (default: CUDA device 0 if there is one, else the CPU)
+    and the latent cache ``layout`` (:func:`mlagraph.ops.auto.compose`); a composition's name
+    (``"auto[...]"``, as a model's summary prints it) is accepted too.
     """
+    if name == "auto":
+        from .auto import resolve
+
+        return resolve(device, layout)
+    if isinstance(name, str) and name in _COMPOSED:
+        return _COMPOSED[name]
     if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(_REGISTRY)}")
+        raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(_REGISTRY)}, auto")
     backend = _REGISTRY[name]
     if not backend.available:
         raise ValueError(f"backend {name!r} is not available: {backend.reason}")
+    problem = hardware_problem(backend.capabilities, device)
+    if problem:
+        raise ValueError(f"backend {name!r} is not available: {problem}")
     return backend
+
+
+def device_sm(device: torch.device | str | None) -> int | None:
+    """Compute capability (major * 10 + minor) of a CUDA ``device``; None for the CPU, or when
+    ``device`` is None and there is no CUDA device. None picks CUDA device 0 when there is one."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return None
+        device = "cuda"
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def hardware_problem(caps: Capabilities, device: torch.device | str | None = None) -> str:
+    """Why a backend with table ``caps`` cannot run on ``device`` ("" if it can)."""
+    if caps.sm is None:
+        return ""
+    need = " or ".join(f"sm_{s}" for s in sorted(caps.sm))
+    if device is not None and torch.device(device).type != "cuda":
+        return f"its kernels need an NVIDIA GPU of compute capability {need}, got device {device}"
+    if device is None and not torch.cuda.is_available():
+        return f"its kernels need an NVIDIA GPU of compute capability {need}; this machine has no CUDA device"
+    sm = device_sm(device)
+    if sm not in caps.sm:
+        return f"its kernels need an NVIDIA GPU of compute capability {need}, got sm_{sm}"
+    return ""
 
 
 REFERENCE = register(
