@@ -29,7 +29,9 @@ def need(name: str):
 
 def models(kind: str, name: str, kv_cache_dtype: str = "auto"):
     cfg = hf_config(kind).to_dict() | {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 64,
-                                       "num_hidden_layers": 2, "max_position_embeddings": 1024}
+                                       "num_hidden_layers": 2, "max_position_embeddings": 1024, "vocab_size": 1024}
+    if kind == "v32":  # the indexer's keys carry RoPE on 64 of their dims, as in DeepSeek-V3.2 (128 = 64 + 64)
+        cfg["index_head_dim"] = 128
     ref = DeepseekForCausalLM.from_config(cfg, init_std=0.05, backend="reference", dtype=torch.bfloat16,
                                           device="cuda", kv_cache_dtype=kv_cache_dtype)
     m = DeepseekForCausalLM.from_config(cfg, init_std=0.05, backend=name, dtype=torch.bfloat16, device="cuda",

@@ -53,7 +53,10 @@ def paged_cache(lens, layout, page=64, seed=0):
     return cache, table
 
 
-def check(got, want, what, atol=2e-2):
+def check(got, want, what, atol=None):
+    # fp8_ds: FlashMLA's fp8 path sits up to 0.032 from the reference on 0.1-0.2% of elements
+    # (H200, 2026-12-02; bf16 rows sit under 0.02), so those cases get 4e-2.
+    atol = atol if atol is not None else 4e-2 if "fp8_ds" in what else 2e-2
     out, lse = got
     ref_out, ref_lse = want
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape, (
@@ -107,7 +110,7 @@ def test_mla_decode_in_a_cuda_graph_replans_per_replay(name, layout):
         step.refresh({table: table.cpu(), seq_lens: seq_lens.cpu()})
         graph.replay()
         torch.cuda.synchronize()
-        check(out, torch.ops.mlagraph.mla_decode(*args), f"{name}.mla_decode replayed with lens {lens}")
+        check(out, torch.ops.mlagraph.mla_decode(*args), f"{name}.mla_decode {layout} replayed with lens {lens}")
 
 
 @pytest.mark.parametrize("layout", ["bf16", "fp8_ds"])
