@@ -83,6 +83,8 @@ TRITON = register(
             cuda_graph_safe=frozenset(GENERIC_OPS),
             # One request without a prefix: cuDNN's fused attention (mha_prefill's single_request).
             dense_prefill_sdpa=True,
+            # Its fused kernel takes any latent width: V4's window rows (448 + 64) too.
+            fused_rope_window_write=True,
             fallbacks=_FALLBACKS,
         ),
         op_names=op_names_for(NAMESPACE, _OPS, _FALLBACKS),
