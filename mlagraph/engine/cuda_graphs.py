@@ -45,6 +45,16 @@ def _round_up(n: int, m: int = _ALIGN) -> int:
     return -(-n // m) * m
 
 
+def cache_tensors(caches) -> list[torch.Tensor]:
+    """Every tensor of a model's caches, whose addresses the graphs bake in: an MLA model's
+    KVCaches (latent, indexer keys, fp8 scale), or DeepSeek-V4's list of per-layer
+    V4LayerCache (window, compressor states, compressed entries, indexer keys; None where a
+    layer type has none)."""
+    if isinstance(caches, (list, tuple)):
+        return [t for c in caches for f in dataclasses.fields(c) if (t := getattr(c, f.name)) is not None]
+    return [*caches.latent, *(caches.index or ()), *([caches.scale] if caches.scale is not None else [])]
+
+
 def default_buckets(max_num_seqs: int, min_size: int = 1) -> list[int]:
     """Powers of two from ``min_size`` up to ``max_num_seqs``, and ``max_num_seqs`` itself."""
     sizes, b = {max_num_seqs}, 1
@@ -286,8 +296,7 @@ class InductorDecodeGraphs(DecodeGraphs):
     desc = "recording decode CUDA graphs (Inductor)"
 
     def _setup(self) -> None:
-        c = self._caches
-        for t in [*c.latent, *(c.index or ()), *([c.scale] if c.scale is not None else [])]:
+        for t in cache_tensors(self._caches):
             torch._dynamo.mark_static_address(t, guard=False)
         self.batches: dict[tuple[int, ForwardMethod], Batch] = {}
 

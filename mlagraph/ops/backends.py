@@ -78,6 +78,9 @@ class Capabilities:
             passes ``single_request=True`` (one request, no prefix, no padding); the batch
             builder sets that flag, and skips padding such a batch, only for these backends.
         cuda_graph_safe: generic ops whose kernels are safe to capture in a CUDA graph.
+        fused_rope_window_write: its fused op also serves DeepSeek-V4's front (``bf16`` rows of
+            D - R plain values and R rotated ones: the window cache), so the passes fuse V4's
+            RoPE + window write into it (mlagraph.passes.fusion_v4).
         fallbacks: generic op -> backend whose implementation this backend uses for it. Declared
             here once: :func:`op_names_for` derives the op map from it, :func:`register` checks it.
         page_sizes: the cache page sizes its kernels take (None: any). FlashMLA's dense decode
@@ -103,6 +106,7 @@ class Capabilities:
     sparse_mla: bool
     cuda_graph_safe: frozenset[str]
     dense_prefill_sdpa: bool = False
+    fused_rope_window_write: bool = False
     fallbacks: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     page_sizes: frozenset[int] | None = None
     preferred_page_size: int = 16
@@ -274,6 +278,7 @@ REFERENCE = register(
             sparse_mla=True,
             # Plain PyTorch with no host syncs and no data-dependent shapes: capturable, if slow.
             cuda_graph_safe=frozenset(GENERIC_OPS),
+            fused_rope_window_write=True,
         ),
         op_names={g: f"mlagraph::{g}" for g in GENERIC_OPS},
     )

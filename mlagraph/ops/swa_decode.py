@@ -29,6 +29,25 @@ def _check_decode(op, q, kv_cache, sinks, block_table, seq_lens, window, softmax
         check_tensor(op, "topk_indices", topk_indices, shape=(batch, s_q, None), dtypes=(torch.int32,), device=dev)
 
 
+# One check per op, with the op's signature: the op, its fake and every backend's twin call it.
+
+
+def check_swa_decode(q, kv_cache, sinks, block_table, seq_lens, window, softmax_scale) -> None:
+    _check_decode("swa_decode", q, kv_cache, sinks, block_table, seq_lens, window, softmax_scale)
+
+
+def check_hca_decode(q, kv_cache, compressed_cache, sinks, block_table, seq_lens, window, compress_rate,
+                     softmax_scale) -> None:
+    _check_decode("hca_decode", q, kv_cache, sinks, block_table, seq_lens, window, softmax_scale, compressed_cache,
+                  compress_rate)
+
+
+def check_csa_decode(q, kv_cache, compressed_cache, topk_indices, sinks, block_table, seq_lens, window,
+                     compress_rate, softmax_scale) -> None:
+    _check_decode("csa_decode", q, kv_cache, sinks, block_table, seq_lens, window, softmax_scale, compressed_cache,
+                  compress_rate, topk_indices)
+
+
 def _queries(q: torch.Tensor, seq_lens: torch.Tensor):
     """q [B, s_q, H, D] -> (q [B·s_q, H, D], positions [B·s_q] int64, req_ids [B·s_q] int32).
 
@@ -55,14 +74,14 @@ def swa_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``swa_attention`` for q [B, s_q, H, D]; seq_lens [B] int32 tokens in the cache per request,
     the s_q new ones included (0: padding, out 0). Returns out [B, s_q, H, D], lse [B, s_q, H]."""
-    _check_decode("swa_decode", q, kv_cache, sinks, block_table, seq_lens, window, softmax_scale)
+    check_swa_decode(q, kv_cache, sinks, block_table, seq_lens, window, softmax_scale)
     flat, positions, req_ids = _queries(q, seq_lens)
     return _unflatten(q, swa.swa_math(flat, kv_cache, sinks, positions, req_ids, block_table, window, softmax_scale))
 
 
 @swa_decode.register_fake
-def _swa_decode_fake(q, kv_cache, sinks, block_table, seq_lens, window, softmax_scale):
-    _check_decode("swa_decode", q, kv_cache, sinks, block_table, seq_lens, window, softmax_scale)
+def swa_decode_fake(q, kv_cache, sinks, block_table, seq_lens, window, softmax_scale):
+    check_swa_decode(q, kv_cache, sinks, block_table, seq_lens, window, softmax_scale)
     return _fake(q)
 
 
@@ -72,18 +91,18 @@ def hca_decode(
     block_table: torch.Tensor, seq_lens: torch.Tensor, window: int, compress_rate: int, softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``hca_attention`` for q [B, s_q, H, D] (seq_lens as in ``swa_decode``)."""
-    _check_decode("hca_decode", q, kv_cache, sinks, block_table, seq_lens, window, softmax_scale, compressed_cache,
-                  compress_rate)
+    check_hca_decode(q, kv_cache, compressed_cache, sinks, block_table, seq_lens, window, compress_rate,
+                     softmax_scale)
     flat, positions, req_ids = _queries(q, seq_lens)
     return _unflatten(q, swa.hca_math(flat, kv_cache, compressed_cache, sinks, positions, req_ids, block_table, window,
                                       compress_rate, softmax_scale))
 
 
 @hca_decode.register_fake
-def _hca_decode_fake(q, kv_cache, compressed_cache, sinks, block_table, seq_lens, window, compress_rate,
+def hca_decode_fake(q, kv_cache, compressed_cache, sinks, block_table, seq_lens, window, compress_rate,
                      softmax_scale):
-    _check_decode("hca_decode", q, kv_cache, sinks, block_table, seq_lens, window, softmax_scale, compressed_cache,
-                  compress_rate)
+    check_hca_decode(q, kv_cache, compressed_cache, sinks, block_table, seq_lens, window, compress_rate,
+                     softmax_scale)
     return _fake(q)
 
 
@@ -95,16 +114,16 @@ def csa_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``csa_attention`` for q [B, s_q, H, D], topk_indices [B, s_q, K] int32 (seq_lens as in
     ``swa_decode``)."""
-    _check_decode("csa_decode", q, kv_cache, sinks, block_table, seq_lens, window, softmax_scale, compressed_cache,
-                  compress_rate, topk_indices)
+    check_csa_decode(q, kv_cache, compressed_cache, topk_indices, sinks, block_table, seq_lens, window,
+                     compress_rate, softmax_scale)
     flat, positions, req_ids = _queries(q, seq_lens)
     return _unflatten(q, swa.csa_math(flat, kv_cache, compressed_cache, topk_indices.flatten(0, 1), sinks, positions,
                                       req_ids, block_table, window, compress_rate, softmax_scale))
 
 
 @csa_decode.register_fake
-def _csa_decode_fake(q, kv_cache, compressed_cache, topk_indices, sinks, block_table, seq_lens, window, compress_rate,
+def csa_decode_fake(q, kv_cache, compressed_cache, topk_indices, sinks, block_table, seq_lens, window, compress_rate,
                      softmax_scale):
-    _check_decode("csa_decode", q, kv_cache, sinks, block_table, seq_lens, window, softmax_scale, compressed_cache,
-                  compress_rate, topk_indices)
+    check_csa_decode(q, kv_cache, compressed_cache, topk_indices, sinks, block_table, seq_lens, window,
+                     compress_rate, softmax_scale)
     return _fake(q)

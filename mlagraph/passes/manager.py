@@ -22,13 +22,14 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..ops.backends import Backend
-from . import fusion, lints
+from . import fusion, fusion_v4, lints
 from .graph_utils import is_any_op, names_of
 from .render import render
 
 PASSES = {
     "fuse_rope_concat_cache": fusion.fuse_rope_concat_cache,
     "eliminate_concat": fusion.eliminate_concat,
+    "fuse_v4_rope_window_write": fusion_v4.fuse_v4_rope_window_write,
 }
 
 
@@ -127,6 +128,9 @@ class MLAPassManager(CustomGraphPass):
         has_write = any(is_any_op(n, writes) and not fusion.needs_missing_k(n, self.backend) for n in graph.nodes)
         if pass_name == "fuse_rope_concat_cache":
             return caps.fused_rope_cache and has_write
+        if pass_name == "fuse_v4_rope_window_write":  # DeepSeek-V4: a window cache write
+            window_writes = names_of(self.backend, "swa_cache_write")
+            return caps.fused_rope_window_write and any(is_any_op(n, window_writes) for n in graph.nodes)
         return False  # eliminate_concat applies only to decode graphs; absence is not an error
 
     def uuid(self) -> bytes:

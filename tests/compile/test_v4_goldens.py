@@ -1,8 +1,10 @@
 """Golden graphs of DeepSeek-V4's layers (how to read them: tests/compile/test_goldens.py).
 
-No pass rewrites V4's front yet (before == after; the RoPE + window-cache-write fusion and its
-lints are still to come), so these pin what the model emits per layer type and plan: the
-window write, the compressors (two in a CSA layer: its own and the indexer's), the indexer's
+``fuse_v4_rope_window_write`` turns the layer's front (one ``rope`` of the q and K=V tails, the
+two concats, the window write) into the backend's ``fused_rope_concat_cache_write`` with layout
+``bf16`` (exactly once per layer: the report says so), and the lints pass on the result. The
+goldens pin that and the rest of what the model emits per layer type and plan: the compressors
+(two in a CSA layer: its own and the indexer's), the indexer's
 top-k, the attention op, the inverse rotation of the output (the second ``rope``: swapped pairs,
 see mlagraph.model.attention_v4.unrotate_tail), and, for a dense plan, a CSA layer with no
 indexer scoring at all (its keys still written by the second compressor_update).
@@ -24,9 +26,9 @@ from tests.model.test_oracle_v4 import v4_config
 pytestmark = pytest.mark.slow  # six compiles: about a minute on two CPU cores
 
 
-def _model(layer_type: str) -> DeepseekForCausalLM:
+def _model(layer_type: str, backend: str = "reference") -> DeepseekForCausalLM:
     cfg = v4_config(num_hidden_layers=1, layer_types=[layer_type], mlp_layer_types=["moe"]).to_dict()
-    return DeepseekForCausalLM.from_config(cfg, init_std=0.2)
+    return DeepseekForCausalLM.from_config(cfg, init_std=0.2, backend=backend)
 
 
 def _graph(model: DeepseekForCausalLM, kind: str) -> str:
@@ -44,7 +46,9 @@ def _graph(model: DeepseekForCausalLM, kind: str) -> str:
     compiled = mlagraph.compile(model, backend="mlagraph_eager", fullgraph=True, dynamic=True, strict=True)
     compiled(batch, caches)
     report = mlagraph.passes.last_compile()
-    assert report.before == report.after  # no V4 pass yet
+    fused = [(r.pass_name, r.layer, r.count) for r in report.records if r.pass_name == "fuse_v4_rope_window_write"]
+    assert fused == [("fuse_v4_rope_window_write", 0, 1)]
+    assert "swa_cache_write" in report.before and "swa_cache_write" not in report.after
     return report.after
 
 
@@ -53,89 +57,88 @@ class TestV4Goldens(expecttest.TestCase):
         self.assertExpectedInline(_graph(_model("sliding_attention"), "prefill"), """\
 inputs: 49 tensors
 # layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
-v1 = aten.cat([_, v0.0], -1)
-v2 = aten.cat([_, v0.1], -1)
-mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
-v3 = mlagraph.swa_attention(q=v1, kv_cache=in19', sinks=in21, positions=in18, req_ids=in22, block_table=in23, window=6, softmax_scale=0.25)
-v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
-v5 = aten.cat([v3.0~, _], -1)
-v6 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in35, down_proj=in36, e_score_correction_bias=in34, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in18, cos_sin_cache=in2, kv_cache=in19!, slot_mapping=in20, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.swa_attention(q=v0.0, kv_cache=in19', sinks=in21, positions=in18, req_ids=in22, block_table=in23, window=6, softmax_scale=0.25)
+v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v3 = aten.cat([v1.0~, _], -1)
+v4 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in35, down_proj=in36, e_score_correction_bias=in34, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
 
     def test_sliding_decode(self):
         self.assertExpectedInline(_graph(_model("sliding_attention"), "decode"), """\
 inputs: 49 tensors
 # layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
-v1 = aten.cat([_, v0.0], -1)
-v2 = aten.cat([_, v0.1], -1)
-mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
-v3 = mlagraph.swa_decode(q=v1~, kv_cache=in19', sinks=in22, block_table=in21, seq_lens=in23, window=6, softmax_scale=0.25)
-v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
-v5 = aten.cat([v3.0~, _], -1)
-v6 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in35, down_proj=in36, e_score_correction_bias=in34, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in18, cos_sin_cache=in2, kv_cache=in19!, slot_mapping=in20, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.swa_decode(q=v0.0~, kv_cache=in19', sinks=in22, block_table=in21, seq_lens=in23, window=6, softmax_scale=0.25)
+v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v3 = aten.cat([v1.0~, _], -1)
+v4 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in35, down_proj=in36, e_score_correction_bias=in34, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
 
     def test_hca_prefill(self):
         self.assertExpectedInline(_graph(_model("heavily_compressed_attention"), "prefill"), """\
 inputs: 55 tensors
 # layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
-v1 = aten.cat([_, v0.0], -1)
-v2 = aten.cat([_, v0.1], -1)
-mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in18, cos_sin_cache=in2, kv_cache=in19!, slot_mapping=in20, scale=None, layout='bf16', interleaved=True)
 mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=4, overlap=False, eps=1e-06)
-v3 = mlagraph.hca_attention(q=v1, kv_cache=in19', compressed_cache=in28', sinks=in29, positions=in18, req_ids=in25, block_table=in26, window=6, compress_rate=4, softmax_scale=0.25)
-v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
-v5 = aten.cat([v3.0~, _], -1)
-v6 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in41, down_proj=in42, e_score_correction_bias=in40, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+v1 = mlagraph.hca_attention(q=v0.0, kv_cache=in19', compressed_cache=in28', sinks=in29, positions=in18, req_ids=in25, block_table=in26, window=6, compress_rate=4, softmax_scale=0.25)
+v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v3 = aten.cat([v1.0~, _], -1)
+v4 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in41, down_proj=in42, e_score_correction_bias=in40, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
 
     def test_csa_prefill(self):
         self.assertExpectedInline(_graph(_model("compressed_sparse_attention"), "prefill"), """\
 inputs: 63 tensors
 # layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
-v1 = aten.cat([_, v0.0], -1)
-v2 = aten.cat([_, v0.1], -1)
-mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in18, cos_sin_cache=in2, kv_cache=in19!, slot_mapping=in20, scale=None, layout='bf16', interleaved=True)
 mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=2, overlap=True, eps=1e-06)
 mlagraph.compressor_update(kv=_, gate=_, position_bias=in31, norm_weight=in32, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in33!, compressed_cache=in34!, compress_rate=2, overlap=True, eps=1e-06)
-v3 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
-v4 = aten.cat([_, v3.0], -1)
-v5 = mlagraph.csa_indexer_topk(q=v4, weights=_, index_cache=in34', positions=in18, req_ids=in25, block_table=in26, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
-v6 = mlagraph.csa_attention(q=v1, kv_cache=in19', compressed_cache=in28', topk_indices=v5, sinks=in37, positions=in18, req_ids=in25, block_table=in26, window=6, compress_rate=2, softmax_scale=0.25)
-v7 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
-v8 = aten.cat([v6.0~, _], -1)
-v9 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in49, down_proj=in50, e_score_correction_bias=in48, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v2 = aten.cat([_, v1.0], -1)
+v3 = mlagraph.csa_indexer_topk(q=v2, weights=_, index_cache=in34', positions=in18, req_ids=in25, block_table=in26, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
+v4 = mlagraph.csa_attention(q=v0.0, kv_cache=in19', compressed_cache=in28', topk_indices=v3, sinks=in37, positions=in18, req_ids=in25, block_table=in26, window=6, compress_rate=2, softmax_scale=0.25)
+v5 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v6 = aten.cat([v4.0~, _], -1)
+v7 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in49, down_proj=in50, e_score_correction_bias=in48, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
 
     def test_csa_dense_prefill_has_no_indexer_scoring(self):
         self.assertExpectedInline(_graph(_model("compressed_sparse_attention"), "dense_prefill"), """\
 inputs: 61 tensors
 # layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
-v1 = aten.cat([_, v0.0], -1)
-v2 = aten.cat([_, v0.1], -1)
-mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in18, cos_sin_cache=in2, kv_cache=in19!, slot_mapping=in20, scale=None, layout='bf16', interleaved=True)
 mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=2, overlap=True, eps=1e-06)
 mlagraph.compressor_update(kv=_, gate=_, position_bias=in31, norm_weight=in32, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in33!, compressed_cache=in34!, compress_rate=2, overlap=True, eps=1e-06)
-v3 = mlagraph.hca_attention(q=v1, kv_cache=in19', compressed_cache=in28', sinks=in35, positions=in18, req_ids=in25, block_table=in26, window=6, compress_rate=2, softmax_scale=0.25)
-v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
-v5 = aten.cat([v3.0~, _], -1)
-v6 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in47, down_proj=in48, e_score_correction_bias=in46, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+v1 = mlagraph.hca_attention(q=v0.0, kv_cache=in19', compressed_cache=in28', sinks=in35, positions=in18, req_ids=in25, block_table=in26, window=6, compress_rate=2, softmax_scale=0.25)
+v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v3 = aten.cat([v1.0~, _], -1)
+v4 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in47, down_proj=in48, e_score_correction_bias=in46, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
 
     def test_csa_decode(self):
         self.assertExpectedInline(_graph(_model("compressed_sparse_attention"), "decode"), """\
 inputs: 64 tensors
 # layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
-v1 = aten.cat([_, v0.0], -1)
-v2 = aten.cat([_, v0.1], -1)
-mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in18, cos_sin_cache=in2, kv_cache=in19!, slot_mapping=in20, scale=None, layout='bf16', interleaved=True)
 mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=2, overlap=True, eps=1e-06)
 mlagraph.compressor_update(kv=_, gate=_, position_bias=in31, norm_weight=in32, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in33!, compressed_cache=in34!, compress_rate=2, overlap=True, eps=1e-06)
-v3 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
-v4 = aten.cat([_, v3.0], -1)
-v5 = mlagraph.csa_indexer_topk(q=v4, weights=_, index_cache=in34', positions=in18, req_ids=in25, block_table=in26, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
-v6 = mlagraph.csa_decode(q=v1~, kv_cache=in19', compressed_cache=in28', topk_indices=v5~, sinks=in37, block_table=in26, seq_lens=in38, window=6, compress_rate=2, softmax_scale=0.25)
-v7 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
-v8 = aten.cat([v6.0~, _], -1)
-v9 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in50, down_proj=in51, e_score_correction_bias=in49, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v2 = aten.cat([_, v1.0], -1)
+v3 = mlagraph.csa_indexer_topk(q=v2, weights=_, index_cache=in34', positions=in18, req_ids=in25, block_table=in26, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
+v4 = mlagraph.csa_decode(q=v0.0~, kv_cache=in19', compressed_cache=in28', topk_indices=v3~, sinks=in37, block_table=in26, seq_lens=in38, window=6, compress_rate=2, softmax_scale=0.25)
+v5 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v6 = aten.cat([v4.0~, _], -1)
+v7 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in50, down_proj=in51, e_score_correction_bias=in49, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+
+    # The triton backend: its fused kernel takes the front, its kernel the decode attention; the
+    # compressors and the indexer are the reference ops (declared fallbacks).
+    def test_triton_csa_decode(self):
+        self.assertExpectedInline(_graph(_model("compressed_sparse_attention", "triton"), "decode"), """\
+inputs: 64 tensors
+# layer 0
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in18, cos_sin_cache=in2, kv_cache=in19!, slot_mapping=in20, scale=None, layout='bf16', interleaved=True)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=2, overlap=True, eps=1e-06)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in31, norm_weight=in32, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in33!, compressed_cache=in34!, compress_rate=2, overlap=True, eps=1e-06)
+v1 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v2 = aten.cat([_, v1.0], -1)
+v3 = mlagraph.csa_indexer_topk(q=v2, weights=_, index_cache=in34', positions=in18, req_ids=in25, block_table=in26, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
+v4 = mlagraph_triton.csa_decode(q=v0.0~, kv_cache=in19', compressed_cache=in28', topk_indices=v3~, sinks=in37, block_table=in26, seq_lens=in38, window=6, compress_rate=2, softmax_scale=0.25)
+v5 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v6 = aten.cat([v4.0~, _], -1)
+v7 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in50, down_proj=in51, e_score_correction_bias=in49, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")

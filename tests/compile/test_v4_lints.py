@@ -3,12 +3,14 @@ compressor update or an unrotated window row is rejected, naming the layer and t
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
 from mlagraph.model import DeepseekForCausalLM
 from mlagraph.model.batch import build_batch
-from mlagraph.passes import LintError, lints
+from mlagraph.passes import LintError, fusion_v4, lints
 from mlagraph.passes.graph_utils import layer_of, op_name
 from mlagraph.passes.graph_utils import op_arg
 from tests.compile.test_passes import capture
@@ -76,4 +78,47 @@ def test_lost_compressor_update_is_rejected():
     graph, backend = _graph()
     graph.erase_node(_node(graph, "mlagraph::compressor_update", 2))
     with pytest.raises(LintError, match=r"layer 2 \(mlagraph::hca_attention.*\(compressed_cache\)"):
+        lints.lint_write_once(graph, backend)
+
+
+# --- on fused graphs (fuse_v4_rope_window_write) ------------------------------------------------
+
+
+def _fused(decode: bool):
+    graph, backend = _aot_graph(decode)
+    assert fusion_v4.fuse_v4_rope_window_write(graph, backend) == {0: 1, 1: 1, 2: 1}
+    return graph, backend
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_lints_pass_on_fused_v4_graphs(decode):
+    graph, backend = _fused(decode)
+    assert not [n for n in graph.nodes if op_name(n) == "mlagraph::swa_cache_write"]
+    for lint in lints.LINTS.values():
+        lint(graph, backend)
+
+
+def test_fused_graph_with_an_unrotated_query_is_rejected():
+    graph, backend = _fused(False)
+    fused = _node(graph, "mlagraph::fused_rope_concat_cache_write", 2)
+    attention = _node(graph, "mlagraph::hca_attention", 2)
+    attention.update_kwarg("q", fused.kwargs["q_nope"])  # the head, never rotated
+    with pytest.raises(LintError, match=r"RoPE skipped in layer 2 \(mlagraph::hca_attention.*q is not rotated"):
+        lints.lint_rope_once(graph, backend)
+
+
+def test_a_second_reader_of_the_rotated_row_keeps_the_layer_unfused_and_a_second_write_is_caught():
+    """Two writes of the same row (say a refactor left the old one in): the pass leaves that
+    layer alone (its rotated row has another reader), fuses the others, and the lint names the
+    cache written twice."""
+    graph, backend = _aot_graph(False)
+    write = _node(graph, "mlagraph::swa_cache_write", 1)
+    (new_cache,) = write.users  # getitem: the cache's value after the write
+    with graph.inserting_after(new_cache):  # a second write of that value, read from then on
+        again = graph.node_copy(write)
+        again.update_kwarg("_all_bases", [new_cache])
+        newer = graph.call_function(operator.getitem, (again, 1))
+    new_cache.replace_all_uses_with(newer, delete_user_cb=lambda user: user is not again)
+    assert fusion_v4.fuse_v4_rope_window_write(graph, backend) == {0: 1, 2: 1}
+    with pytest.raises(LintError, match=r"lint_write_once: cache .* written 2 times: layer 1 \(mlagraph::swa_cache"):
         lints.lint_write_once(graph, backend)

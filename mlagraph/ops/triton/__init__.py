@@ -14,6 +14,7 @@ reading the capability table costs nothing:
 - :mod:`.prefill`    ``mha_prefill`` (ragged causal flash attention with prefix)
 - :mod:`.sparse`     ``sparse_mla``
 - :mod:`.indexer`    ``indexer_cache_write``, ``indexer_topk``
+- :mod:`.swa_decode` ``swa_decode``, ``hca_decode``, ``csa_decode`` (DeepSeek-V4's decode attentions)
 
 Kernels run on CUDA tensors. CPU tensors run through Triton's interpreter, which Triton turns on
 for kernels defined while ``TRITON_INTERPRET=1`` is set (the CPU test suite sets it); without
@@ -26,7 +27,7 @@ import importlib.util
 
 # Aliased: the kernel modules below share these names (mlagraph.ops.triton.decode is ours).
 from .. import cache as _cache, decode as _decode, indexer as _indexer, prefill as _prefill, rope as _rope
-from .. import sparse as _sparse
+from .. import sparse as _sparse, swa_decode as _swa_decode
 from ..backends import GENERIC_OPS, V4_OPS, Backend, Capabilities, op_names_for, register
 from ..twins import define_twin
 
@@ -48,6 +49,9 @@ _OPS = {
     "sparse_mla": ("sparse", _sparse._check_sparse_mla, _sparse.sparse_mla_fake),
     "indexer_cache_write": ("indexer", _indexer._check_indexer_cache_write, _indexer.indexer_cache_write_fake),
     "indexer_topk": ("indexer", _indexer._check_indexer_topk, _indexer.indexer_topk_fake),
+    "swa_decode": ("swa_decode", _swa_decode.check_swa_decode, _swa_decode.swa_decode_fake),
+    "hca_decode": ("swa_decode", _swa_decode.check_hca_decode, _swa_decode.hca_decode_fake),
+    "csa_decode": ("swa_decode", _swa_decode.check_csa_decode, _swa_decode.csa_decode_fake),
 }
 
 
@@ -55,7 +59,8 @@ for _generic, (_module, _check, _fake) in _OPS.items():
     define_twin(NAMESPACE, _generic, _check, _fake, f"{__name__}.{_module}")
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
-_FALLBACKS = {g: "reference" for g in ("moe", *V4_OPS)}  # no kernel of ours: the reference op
+# No kernel of ours: the reference op (V4's prefill attentions, compressors and indexer among them).
+_FALLBACKS = {g: "reference" for g in ("moe", *V4_OPS) if g not in _OPS}
 
 TRITON = register(
     Backend(
@@ -78,6 +83,8 @@ TRITON = register(
             cuda_graph_safe=frozenset(GENERIC_OPS),
             # One request without a prefix: cuDNN's fused attention (mha_prefill's single_request).
             dense_prefill_sdpa=True,
+            # Its fused kernel takes any latent width: V4's window rows (448 + 64) too.
+            fused_rope_window_write=True,
             fallbacks=_FALLBACKS,
         ),
         op_names=op_names_for(NAMESPACE, _OPS, _FALLBACKS),

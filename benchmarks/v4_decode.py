@@ -1,0 +1,315 @@
+"""DeepSeek-V4-Flash-shaped decode step: reference vs triton backend, eager / compiled / CUDA graphs.
+
+    python benchmarks/v4_decode.py --out DIR [--batches 1,32,128] [--contexts 1024,4096]
+        [--modes eager,compiled,graphs,compiled+graphs] [--backends reference,triton]
+        [--no-kernels] [--tiny --device cpu]
+
+What: the GPU time of ONE decode step (one new token for each of B requests with ``ctx`` tokens
+cached) of a model with V4-Flash's attention (transformers' DeepseekV4Config defaults: 64
+heads of 512 with RoPE on 64, q_lora 1024, 8 output groups of rank 1024, window 128, CSA rate
+4 with a 64-head indexer of 128 and top-512, HCA rate 128, hidden 4096, hc_mult 4) and three
+layers, one of each type (sliding, CSA, HCA), a small MoE (8 experts of 1024, top-6) and a 4K
+vocabulary: the attention is V4-Flash's, the rest is scaled down. bf16, random weights.
+
+How:
+- No prefill: every cache (window, compressor states, compressed entries, indexer keys) holds
+  random values; a step's cost does not depend on them, and B=128 x 4K then costs no prefill
+  (the compressor states are the big part: ~2 GB a CSA layer). A timed step rewrites the rows
+  of position ctx, always with the same values, so repeated steps are the same step.
+- 1K-context batches take the dense CSA plan (every request's entries fit the top-512: the
+  indexer is skipped), 4K ones the sparse plan; the ``plan`` column says which.
+- Variants: ``<backend>/eager`` (the model called directly), ``/compiled`` (mlagraph.compile,
+  Inductor, dynamic shapes: one graph per plan), ``/graphs`` and ``/compiled+graphs`` (the
+  step captured in a CUDA graph and replayed). Each is checked against ``reference/eager`` on
+  the same caches first (relative error of the logits; a failed check is reported, not timed).
+  Times: the median of triton.testing.do_bench (eager, compiled) or of CUDA-graph replays.
+- Kernel rows (unless --no-kernels): each new triton kernel (swa/hca/csa_decode, and the fused
+  RoPE + window write at V4's dims) beside the reference op's plain PyTorch, eager and under
+  torch.compile, through benchmarks/kernels.py's Runner (checked before timed).
+
+DIR/v4_decode.json and DIR/v4_decode.md are rewritten after every point, so a run cut short
+keeps what it measured. ``--tiny --device cpu`` runs the same code on a tiny config (the CPU
+test does; graphs and Inductor are skipped there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))  # the repo root: the kernel rows reuse the tests' case builder
+
+from common import device_name, median_time  # noqa: E402
+from mlagraph.model import DeepseekForCausalLM  # noqa: E402
+from mlagraph.model.batch import build_batch  # noqa: E402
+from mlagraph.ops import v4_layouts  # noqa: E402
+
+TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+TOL = 5e-2  # relative error of bf16 logits against the bf16 reference
+
+
+def v4_flash_config(tiny: bool = False) -> dict:
+    """V4-Flash's attention dims with three layers and a small MoE (see the module docstring)."""
+    cfg = dict(model_type="deepseek_v4", vocab_size=4096, hidden_size=4096, num_hidden_layers=3,
+               num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8,
+               o_lora_rank=1024, sliding_window=128, index_n_heads=64, index_head_dim=128, index_topk=512,
+               compress_rates={TYPES[1]: 4, TYPES[2]: 128}, hc_mult=4, moe_intermediate_size=1024,
+               n_routed_experts=8, num_experts_per_tok=6, n_shared_experts=1, layer_types=TYPES,
+               mlp_layer_types=["hash_moe", "moe", "moe"], max_position_embeddings=8192,
+               rope_parameters={"main": {"rope_type": "default", "rope_theta": 10000.0},
+                                "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 16.0,
+                                             "original_max_position_embeddings": 65536, "beta_fast": 32,
+                                             "beta_slow": 1}})
+    if tiny:
+        cfg.update(vocab_size=256, hidden_size=64, num_attention_heads=4, head_dim=32, qk_rope_head_dim=8,
+                   q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8, index_n_heads=4,
+                   index_head_dim=16, index_topk=4, compress_rates={TYPES[1]: 2, TYPES[2]: 8},
+                   moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, max_position_embeddings=512)
+    return cfg
+
+
+def decode_batch(model, batch_size: int, ctx: int, page_size: int):
+    """B requests with ctx cached tokens each (pages in order), one new token; the CSA plan from
+    the config's dense limit, as the engine plans it."""
+    per = -(-(ctx + 1) // page_size)
+    pages = [list(range(b * per, (b + 1) * per)) for b in range(batch_size)]
+    cfg = model.config
+    return build_batch(model.backend.capabilities, [[1]] * batch_size, [ctx] * batch_size, pages, page_size,
+                       is_decode=[True] * batch_size, dsa=cfg.uses_dsa, dsa_dense_max_kv_len=cfg.dsa_dense_max_kv_len,
+                       min_reqs=2, device=model.lm_head.weight.device)
+
+
+def random_caches(model, num_pages: int, page_size: int, seed: int = 0):
+    """Every cache of the model filled with N(0, 1) values (the entries as normed rows would be)."""
+    caches = model.allocate_caches(num_pages, page_size)
+    g = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    for c in caches:
+        for t in vars(c).values():
+            if t is not None:
+                t.normal_(generator=g)
+    return caches
+
+
+def rel_err(got, want) -> float:
+    got, want = got.double(), want.double()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def graph_time(fn, device, replays: int = 20) -> float:
+    """Seconds per replay of fn captured in a CUDA graph (median over replays)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2], out
+
+
+def bench_point(models, compiled, caches, args, batch_size, ctx, rows, out):
+    """All variants at one (B, ctx): check against reference/eager, then time."""
+    page_size = args.page_size
+    want = None
+    for backend, model in models.items():
+        batch = decode_batch(model, batch_size, ctx, page_size)
+        plan = "dense" if batch.plan.dsa_dense else "sparse"
+        for mode in args.modes:
+            row = dict(batch=batch_size, context=ctx, plan=plan, variant=f"{backend}/{mode}", time_us=None,
+                       error=None, note="")
+            rows.append(row)
+            if "graphs" in mode and model.lm_head.weight.device.type != "cuda":
+                row["note"] = "skipped: CUDA graphs need a GPU"
+                continue
+            fn_model = compiled[backend] if mode.startswith("compiled") else model
+            if fn_model is None:
+                row["note"] = "skipped: not compiled here"
+                continue
+            step = lambda: fn_model(batch, caches)  # noqa: E731
+            try:
+                with torch.no_grad():
+                    if "graphs" in mode:
+                        t, logits = graph_time(step, model.lm_head.weight.device)
+                    else:
+                        logits = step()
+                    if want is None:  # reference/eager comes first
+                        want = logits.clone()
+                    row["error"] = rel_err(logits, want)
+                    if not row["error"] <= TOL:
+                        row["note"] = f"FAILED check (tol {TOL:g})"
+                    elif "graphs" in mode:
+                        row["time_us"] = t * 1e6
+                    else:
+                        row["time_us"] = median_time(step, warmup=min(3, args.iters), iters=args.iters) * 1e6
+            except Exception as e:  # noqa: BLE001  (a variant that cannot run is a row with a reason)
+                row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            t_str = f"{row['time_us']:.0f} us" if row["time_us"] else row["note"]
+            print(f"B={batch_size} ctx={ctx} {plan} {row['variant']}: {t_str} (error {row['error']})", flush=True)
+            save(rows, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel rows
+
+
+def bench_kernels(out_rows, args):
+    """Each new kernel at V4-Flash dims beside the reference op's plain PyTorch, eager and Inductor."""
+    import kernels as K
+    from mlagraph.ops.rope import rope_cos_sin_cache
+    from tests.ops.triton.test_swa_decode import make_case
+
+    rows: list = []
+    dev = "cuda"
+    for kind, rate, topk in (("swa", 4, 1), ("hca", 128, 1), ("csa", 4, 512)):
+        for batch_size in (128,):
+            lens = [4096] * batch_size
+            cpu_args = make_case(kind, seq_lens=lens, heads=64, dim=512, page_size=64, window=128, rate=rate,
+                                 topk=topk, dtype=torch.bfloat16, seed=1)
+            a = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in cpu_args]
+            keys = 128 + (4096 // rate if kind == "hca" else topk if kind == "csa" else 0)
+            nbytes = batch_size * (keys * 512 * 2 + 2 * 64 * 512 * 2)
+            flops = batch_size * 64 * keys * 512 * 4
+            run = K.Runner(rows, f"v4 {kind}_decode B={batch_size} ctx=4096", flops, nbytes, tol=2e-2)
+            want = getattr(torch.ops.mlagraph, f"{kind}_decode")(*a)[0]
+            check = lambda o, want=want: K.rel_err(o[0], want)  # noqa: E731
+            ours = getattr(torch.ops.mlagraph_triton, f"{kind}_decode")
+            body = K.reference_body("swa_decode", f"{kind}_decode")
+            run.run("triton", lambda ours=ours, a=a: ours(*a), check)
+            run.run("eager", lambda body=body, a=a: body(*a), check)
+            run.peer("inductor", lambda body=body, a=a: (lambda f=K.inductor(body): lambda: f(*a))(), check)
+            del a, want
+            torch.cuda.empty_cache()
+    # the fused front at V4's dims: q [T, 64, 448 | 64], one K=V row [448 | 64], window cache
+    cos_sin = rope_cos_sin_cache(64, 8192, 10000.0, device=dev)
+    for tokens in (128,):
+        g = torch.Generator(device=dev).manual_seed(2)
+        q = torch.randn(tokens, 64, 512, generator=g, device=dev).bfloat16()
+        kv = torch.randn(tokens, 1, 512, generator=g, device=dev).bfloat16()
+        cache = torch.zeros(tokens * 4 // 64 + 1, 64, 512, dtype=torch.bfloat16, device=dev)
+        slots = torch.arange(tokens, device=dev) * 4
+        pos = torch.arange(tokens, device=dev) * 31
+        a = (q[..., :448], q[..., 448:], kv[:, 0, :448], kv[..., 448:], pos, cos_sin, cache, slots, None, "bf16",
+             True)
+        want = torch.ops.mlagraph.fused_rope_concat_cache_write(*a)[0]
+        nbytes = tokens * (2 * 64 * 512 * 2 + 2 * 512 * 2)
+        run = K.Runner(rows, f"v4 rope+window write T={tokens}", 0.0, nbytes, tol=1e-2)
+        check = lambda o, want=want: K.rel_err(o[0], want)  # noqa: E731
+        body = K.reference_body("cache", "fused_rope_concat_cache_write")
+        run.run("triton", lambda a=a: torch.ops.mlagraph_triton.fused_rope_concat_cache_write(*a), check)
+        run.run("eager", lambda a=a: body(*a), check)
+        run.peer("inductor", lambda a=a: (lambda f=K.inductor(body): lambda: f(*a))(), check)
+    out_rows.extend(dict(workload=r.workload, variant=r.variant, time_us=r.time_us, error=r.error, note=r.note,
+                         rate=r.rate(), floor_us=r.floor_us) for r in rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+
+
+def save(rows, out, kernel_rows=()) -> None:
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    payload = {"device": device_name(str(DEVICE)), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+               "config": CONFIG, "steps": rows, "kernels": list(kernel_rows)}
+    with open(os.path.join(out, "v4_decode.json"), "w") as f:
+        json.dump(payload, f, indent=2)
+    with open(os.path.join(out, "v4_decode.md"), "w") as f:
+        f.write(markdown(rows, kernel_rows))
+
+
+def markdown(rows, kernel_rows=()) -> str:
+    lines = [f"V4-Flash-shaped decode step (3 layers: sliding, CSA, HCA), bf16, {device_name(str(DEVICE))}, "
+             f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", "",
+             "| B | ctx | plan | variant | step (us) | rel. error | note |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = f"{r['time_us']:.0f}" if r["time_us"] else "-"
+        e = f"{r['error']:.1e}" if r["error"] is not None else "-"
+        lines.append(f"| {r['batch']} | {r['context']} | {r['plan']} | {r['variant']} | {t} | {e} | {r['note']} |")
+    if kernel_rows:
+        lines += ["", "| kernel workload | variant | time (us) | rate | floor (us) | note |", "|---|---|---|---|---|---|"]
+        for r in kernel_rows:
+            t = f"{r['time_us']:.1f}" if r["time_us"] else "-"
+            lines.append(f"| {r['workload']} | {r['variant']} | {t} | {r['rate']} | {r['floor_us']:.1f} | {r['note']} |")
+    return "\n".join(lines) + "\n"
+
+
+DEVICE, CONFIG = "cuda", {}
+
+
+def main(argv=None) -> None:
+    global DEVICE, CONFIG
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    p.add_argument("--batches", default="1,32,128")
+    p.add_argument("--contexts", default="1024,4096")
+    p.add_argument("--modes", default="eager,compiled,graphs,compiled+graphs")
+    p.add_argument("--backends", default="reference,triton")
+    p.add_argument("--compile-reference", action="store_true",
+                   help="also compile the reference backend (two more Inductor compiles)")
+    p.add_argument("--no-kernels", dest="kernels", action="store_false")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a tiny config (the CPU test)")
+    args = p.parse_args(argv)
+    args.modes = args.modes.split(",")
+    DEVICE, CONFIG = args.device, v4_flash_config(args.tiny)
+    batches, contexts = [int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")]
+    backends = args.backends.split(",")
+    assert backends[0] == "reference", "the reference backend comes first: every variant is checked against it"
+    import mlagraph
+
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    models, compiled = {}, {}
+    for name in backends:
+        # the same seed: the same weights on every backend
+        models[name] = model = DeepseekForCausalLM.from_config(CONFIG, backend=name, device=args.device, dtype=dtype)
+        want_compile = any(m.startswith("compiled") for m in args.modes) and args.device == "cuda"
+        if want_compile and (name != "reference" or args.compile_reference):
+            compiled[name] = mlagraph.compile(model, fullgraph=True, dynamic=True)
+        else:
+            compiled[name] = None
+    page_size = args.page_size
+    rate = max(CONFIG["compress_rates"].values())
+    assert v4_layouts.rates_compatible(page_size, rate)
+    rows: list = []
+    t0 = time.time()
+    for ctx in contexts:
+        num_pages = max(batches) * -(-(ctx + 1) // page_size)
+        caches = random_caches(models[backends[0]], num_pages, page_size)
+        for batch_size in batches:
+            bench_point(models, compiled, caches, args, batch_size, ctx, rows, args.out)
+        del caches
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    kernel_rows: list = []
+    if args.kernels and args.device == "cuda":
+        bench_kernels(kernel_rows, args)
+    save(rows, args.out, kernel_rows)
+    print(markdown(rows, kernel_rows))
+    print(f"[{time.time() - t0:.0f} s]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""benchmarks/v4_decode.py on CPU: a tiny run of the whole script (every eager variant checked
+against the reference, both CSA plans, its JSON and markdown)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import v4_decode as bench
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_checked_rows(tmp_path):
+    # dense limit 4·2 + 1 = 9: ctx 6 plans dense, ctx 20 sparse
+    bench.main(["--tiny", "--device", "cpu", "--batches", "3", "--contexts", "6,20", "--page-size", "8",
+                "--modes", "eager,compiled,graphs", "--iters", "1", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "v4_decode.json").read_text())
+    steps = data["steps"]
+    assert len(steps) == 2 * 2 * 3
+    eager = [r for r in steps if r["variant"].endswith("/eager")]
+    assert {r["plan"] for r in eager} == {"dense", "sparse"}
+    for r in eager:  # triton's decode kernels (interpreted) agree with the reference
+        assert r["time_us"] > 0 and r["error"] < 1e-4, r
+    assert all(r["time_us"] is None and r["note"].startswith("skipped") for r in steps if r not in eager)
+    md = (tmp_path / "v4_decode.md").read_text()
+    assert "| 3 | 20 | sparse | triton/eager |" in md
