@@ -54,6 +54,7 @@ class StepStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     steps: int = 0
+    decode_steps: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     drafted_tokens: int = 0  # speculative decoding: drafts verified
@@ -335,6 +336,7 @@ class Engine:
         if all(r.decoding for r, _ in step):
             s.decode_tokens += n_tokens
             s.decode_seconds += elapsed
+            s.decode_steps += 1
         else:
             s.prefill_tokens += n_tokens
             s.prefill_seconds += elapsed

@@ -140,6 +140,7 @@ class MTPSpeculator:
         if all(start >= r.prompt_len for r, _, start in entries):
             s.decode_tokens += len(emitted)  # generated tokens: what a decode step is for
             s.decode_seconds += elapsed
+            s.decode_steps += 1
         else:
             s.prefill_tokens += sum(len(t) for _, t, _ in entries)
             s.prefill_seconds += elapsed
