@@ -15,9 +15,10 @@ Reported: acceptance rate, decode tokens/s (generated tokens of decode steps / t
 time) and the mean decode step time.
 
 Checked before timing: each variant's first run is compared with ``base``'s tokens (float32
-on CPU: equal, token for token; bf16 on CUDA: the multi-token verify rounds differently from
-one-token decode, so a near-tie may flip and a sequence diverge after it: at least 90% of the
-requests must match, and the JSON records how many did). The timed run is the second.
+on CPU: every request equal, token for token; bf16 on CUDA: the multi-token verify rounds
+differently from one-token decode, so a near-tie may flip and a sequence diverge after it: at
+least half the requests must be equal, and the JSON records how many were and the mean
+length of the common prefix). The timed run is the second.
 
 The model: ``mlagraph.model.config.deepseek_v3_shaped`` (V3's attention and hidden dims and
 vocabulary, ``--layers`` layers, a small MoE, one MTP layer) in bf16 with CUDA graphs on CUDA;
@@ -117,10 +118,13 @@ def main(argv: list[str] | None = None) -> dict:
                 eng.speculator.draft_hook = hook
                 got, _ = _run(eng, prompts, a.new_tokens)  # the check, and a warm-up
                 same = sum(g == b for g, b in zip(got, base))
-                if same < (B if not cuda else 0.9 * B):
+                if same < (B if dtype == torch.float32 else B / 2):
                     raise RuntimeError(f"{name} at batch {B}: {same} of {B} requests equal the base run's tokens")
+                prefix = sum(next((i for i, (x, y) in enumerate(zip(g, b)) if x != y), len(b))
+                             for g, b in zip(got, base)) / B
                 _, row = _run(eng, prompts, a.new_tokens)
-                results["points"].append({"batch": B, "variant": name, "equal_to_base": f"{same}/{B}", **row})
+                results["points"].append({"batch": B, "variant": name, "equal_to_base": f"{same}/{B}",
+                                          "common_prefix": round(prefix, 2), **row})
                 print(json.dumps(results["points"][-1]), flush=True)
             eng.speculator.draft_hook = None
     os.makedirs(a.out, exist_ok=True)
