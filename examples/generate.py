@@ -6,6 +6,7 @@ checkpoint.
     python examples/generate.py --arch v32 --chunk 8 # V3.2 (DSA) with chunked prefill
     python examples/generate.py --no-compile         # eager (no torch.compile)
     python examples/generate.py --model DIR --prompt "Hello" --chat   # text in and out (tokenizer.json)
+    python examples/generate.py --speculative mtp --num-speculative-tokens 2   # MTP speculative decoding
 
 Compiles the engine step with mlagraph.compile (Inductor + mlagraph's fusion passes, one graph
 per batch-plan variant), prints the fusions applied per layer, each request's tokens and the
@@ -32,7 +33,7 @@ from mlagraph.ops import backends
 TINY_V3 = deepseek_v3_shaped(
     2, vocab_size=1024, hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=4,
     q_lora_rank=384, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
-    max_position_embeddings=4096,
+    max_position_embeddings=4096, num_nextn_predict_layers=1,  # an MTP layer, as DeepSeek-V3 has
 )
 TINY_V32 = dict(TINY_V3, model_type="deepseek_v32", index_topk=64, index_head_dim=128, index_n_heads=8)
 
@@ -57,6 +58,8 @@ def main() -> None:
                    "tokenizer.json); default: random token-id prompts")
     p.add_argument("--chat", action="store_true", help="wrap each --prompt as a user message in the chat template")
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    p.add_argument("--speculative", choices=["mtp"], default=None, help="speculative decoding with the MTP layer")
+    p.add_argument("--num-speculative-tokens", type=int, default=1, help="drafts per step with --speculative (1-3)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under torchrun --nproc-per-node N)")
     args = p.parse_args()
     # Checked here, before anything is built, naming the flag.
@@ -120,6 +123,7 @@ def main() -> None:
     engine = Engine(
         model, max_num_seqs=len(prompts), max_model_len=max(lens) + args.max_new_tokens,
         page_size=16, prefill_chunk_size=args.chunk, seed=args.seed, compile=args.compile,
+        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
     )
     if args.compile:
         # Warm-up on the same prompts: compiles the graphs of the plan variants this run meets
@@ -148,6 +152,8 @@ def main() -> None:
         f"prefill steps: {rate(s.prefill_tokens, s.prefill_seconds)} | "
         f"decode-only steps: {rate(s.decode_tokens, s.decode_seconds)} | {s.steps} steps, wall {wall:.2f}s"
     )
+    if args.speculative:
+        say(f"speculative: {s.accepted_tokens} of {s.drafted_tokens} drafts accepted ({s.acceptance_rate:.1%})")
     if args.tp > 1:
         torch.distributed.destroy_process_group()
 

@@ -12,6 +12,10 @@ different prefixes sharing a key out of reach, so a hit is exact.
 
 One page id indexes every per-page cache tensor (each layer's latent rows and, for DSA models,
 its indexer-key rows), so sharing a page shares all of them.
+
+With ``lookahead=1`` (speculative decoding) a page's key also covers the token after it: the
+MTP layer's row at a page's last slot is made from that next token too, so two requests may
+share the page only if they agree on it. A page becomes findable once that token is known.
 """
 
 from __future__ import annotations
@@ -36,10 +40,13 @@ class BlockManager:
         num_pages: pages in the cache.
         page_size: tokens per page.
         prefix_caching: keep released full pages findable by :meth:`match_prefix`.
+        lookahead: tokens past a page's end that its key covers (0, or 1 for speculative
+            decoding: see the module docstring).
     """
 
-    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False):
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False, lookahead: int = 0):
         self.num_pages, self.page_size, self.prefix_caching = num_pages, page_size, prefix_caching
+        self.lookahead = lookahead
         self._free = list(range(num_pages - 1, -1, -1))  # popped from the end: page 0 first
         self._refs = [0] * num_pages
         self._by_hash: dict[bytes, int] = {}
@@ -98,9 +105,9 @@ class BlockManager:
         hashes: list[bytes] = []
         if not self.prefix_caching:
             return pages, hashes
-        parent, ps = ROOT_HASH, self.page_size
-        for i in range(min(max_pages, len(tokens) // ps)):
-            h = page_hash(parent, tokens[i * ps : (i + 1) * ps])
+        parent, ps, la = ROOT_HASH, self.page_size, self.lookahead
+        for i in range(min(max_pages, (len(tokens) - la) // ps)):
+            h = page_hash(parent, tokens[i * ps : (i + 1) * ps + la])
             page = self._by_hash.get(h)
             if page is None:
                 break
@@ -123,10 +130,10 @@ class BlockManager:
         """
         if not self.prefix_caching:
             return
-        ps = self.page_size
+        ps, la = self.page_size, self.lookahead
         parent = hashes[-1] if hashes else ROOT_HASH
-        for i in range(len(hashes), num_computed // ps):
-            h = page_hash(parent, tokens[i * ps : (i + 1) * ps])
+        for i in range(len(hashes), min(num_computed, len(tokens) - la) // ps):
+            h = page_hash(parent, tokens[i * ps : (i + 1) * ps + la])
             if h not in self._by_hash and pages[i] not in self._hash_of:
                 self._by_hash[h] = pages[i]
                 self._hash_of[pages[i]] = h

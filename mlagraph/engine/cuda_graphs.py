@@ -13,8 +13,11 @@ Split the FlashInfer way into what is prepared once and what runs per step:
 
 A batch of n decoding requests (one new token each) runs in the smallest bucket >= n; the plan
 (dense or sparse for DSA models) is made on the host before the replay (docs/design.md rule 7), and
-every plan variant a decode step can take has its own graph. Larger batches, multi-token decode
-and any step with prompt tokens run without graphs.
+every plan variant a decode step can take has its own graph. Larger batches and any step
+with prompt tokens run without graphs.
+
+Speculative decoding's verify steps (s_q = k + 1 tokens per request) are captured the same
+way with ``q_len=k + 1``: every request of a bucket brings q_len tokens, padding requests too.
 
 Library kernels that plan on the host (FlashInfer) or keep per-step device metadata (FlashMLA's
 scheduler) do so in a :class:`~mlagraph.ops.host_plan.Step` kept with each graph: its plans are
@@ -77,16 +80,18 @@ def check_buckets(sizes, max_num_seqs: int, min_size: int) -> list[int]:
     return sorted({max(s, min_size) for s in sizes})
 
 
-def decode_plans(caps, dsa: bool) -> dict[ForwardMethod, BatchPlan]:
-    """Every forward method a graph-captured one-token decode step can take on this backend,
+def decode_plans(caps, dsa: bool, q_len: int = 1) -> dict[ForwardMethod, BatchPlan]:
+    """Every forward method a graph-captured decode step of ``q_len`` tokens per request
+    (1, or k + 1 when verifying k drafts) can take on this backend,
     with the plan its graphs carry: each case a decode batch can be in (for DSA models every
     request dense, some, none) through the same :func:`~mlagraph.model.batch.for_decode_graph`
     and :func:`~mlagraph.model.batch.choose_forward_method` that pick a step's graph, so what is
     captured is exactly what replays."""
     cases = [(True, False), (False, True), (False, False)] if dsa else [(False, False)]
+    kind = BatchKind.DECODE if q_len == 1 else BatchKind.MULTI_TOKEN_DECODE
     plans: dict[ForwardMethod, BatchPlan] = {}
     for dense, split in cases:
-        plan = for_decode_graph(BatchPlan(BatchKind.DECODE, 1, dsa, dsa_dense=dense, dsa_split=split))
+        plan = for_decode_graph(BatchPlan(kind, q_len, dsa, dsa_dense=dense, dsa_split=split))
         try:
             plans.setdefault(choose_forward_method(caps, plan), plan)
         except NoForwardMethod:
@@ -95,21 +100,24 @@ def decode_plans(caps, dsa: bool) -> dict[ForwardMethod, BatchPlan]:
 
 
 class StaticDecodeInputs:
-    """Device buffers of a one-token-per-request decode batch, for buckets up to ``max_bs``.
+    """Device buffers of a decode batch of ``q_len`` tokens per request (1; k + 1 to verify k
+    drafts), for buckets up to ``max_bs`` requests (N = max_bs * q_len tokens).
 
     Device layout (each field 16-element aligned):
-        int64 [3, S]: input_ids | positions | slot_mapping              (S = max_bs rounded up)
-        int32: seq_lens [S] | cu_seqlens_k [S + 1, padded] | block_table [max_bs, max_pages]
-        constant: req_ids = arange [max_bs] int32, cu_seqlens_q = arange [max_bs + 1] int32,
-                  logits_indices = arange [max_bs] int64
+        int64 [3, S]: input_ids | positions | slot_mapping              (S = N rounded up)
+        int32: seq_lens [R] | cu_seqlens_k [max_bs + 1, padded] | block_table [max_bs, max_pages]
+               (R = max_bs rounded up)
+        constant: req_ids [N] int32 (each request's index, q_len times), cu_seqlens_q
+                  [max_bs + 1] int32 (multiples of q_len), logits_indices = arange [N] int64
     Both live in one byte buffer, filled through a pinned host mirror and copied in one copy.
     """
 
-    def __init__(self, max_bs: int, max_pages: int, device: torch.device):
+    def __init__(self, max_bs: int, max_pages: int, device: torch.device, q_len: int = 1):
         self.max_bs, self.max_pages, self.device = max_bs, max_pages, torch.device(device)
-        s = _round_up(max_bs)
-        self._cu_k_at = s
-        self._table_at = s + _round_up(max_bs + 1)
+        self.q_len = q_len
+        s, r = _round_up(max_bs * q_len), _round_up(max_bs)
+        self._cu_k_at = r
+        self._table_at = r + _round_up(max_bs + 1)
         n32 = self._table_at + max_bs * max_pages
         # One pinned host buffer and one device buffer, int64 fields then int32 ones: a step is
         # one copy (driver calls are the expensive part of a small step's host work).
@@ -121,10 +129,11 @@ class StaticDecodeInputs:
         self._np64, self._np32 = self._host64.numpy(), self._host32.numpy()
         self._np_table = self._np32[self._table_at :].reshape(max_bs, max_pages)
         self._rows: list[list[int]] = [[] for _ in range(max_bs)]  # pages now in each host table row
-        self.req_ids = torch.arange(max_bs, dtype=torch.int32, device=self.device)
-        self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
-        self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=self.device)
+        self.req_ids = torch.arange(max_bs, dtype=torch.int32, device=self.device).repeat_interleave(q_len)
+        self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device) * q_len
+        self.logits_indices = torch.arange(max_bs * q_len, dtype=torch.int64, device=self.device)
         self._np_table[:] = -1
+        self._pad_positions = torch.arange(q_len).repeat(max_bs).numpy()
         self.fill([], [], [], [], [], bucket=max_bs)  # every row padding
 
     @staticmethod
@@ -132,44 +141,49 @@ class StaticDecodeInputs:
         return buf[: 3 * s * 8].view(torch.int64).view(3, s), buf[3 * s * 8 :].view(torch.int32)
 
     def batch(self, bucket: int, method: ForwardMethod, plan: BatchPlan) -> Batch:
-        """The static batch of the first ``bucket`` rows: its tensors are views of the buffers."""
+        """The static batch of the first ``bucket`` requests: its tensors are views of the buffers."""
+        t = bucket * self.q_len
         cu_k = self._dev32[self._cu_k_at : self._cu_k_at + bucket + 1]
         table = self._dev32[self._table_at : self._table_at + self.max_bs * self.max_pages].view(self.max_bs, -1)
         return Batch(
             plan=plan,
             method=method,
             num_kv_tokens=0,  # read only by MHA over a prefix, which decode graphs never run
-            input_ids=self._dev64[0, :bucket],
-            positions=self._dev64[1, :bucket],
-            slot_mapping=self._dev64[2, :bucket],
-            req_ids=self.req_ids[:bucket],
+            input_ids=self._dev64[0, :t],
+            positions=self._dev64[1, :t],
+            slot_mapping=self._dev64[2, :t],
+            req_ids=self.req_ids[:t],
             block_table=table[:bucket],
             seq_lens=self._dev32[:bucket],
             cu_seqlens_q=self.cu_seqlens_q[: bucket + 1],
             cu_seqlens_k=cu_k,
-            logits_indices=self.logits_indices[:bucket],
+            logits_indices=self.logits_indices[:t],
         )
 
     def fill(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
              pages: Sequence[Sequence[int]], seq_lens: Sequence[int], *, bucket: int) -> None:
         """Writes one step (n real requests, rows n..bucket-1 padding) and copies it to the device.
 
-        tokens, positions, slots, seq_lens: per request (host ints); pages: each request's page
-        ids. Block-table rows are rewritten only where they changed (a request's row usually
+        tokens, positions, slots: per token, q_len per request (host ints); seq_lens: per
+        request; pages: each request's page ids. Block-table rows are rewritten only where they changed (a request's row usually
         only grows by a page now and then). The copy to the device is asynchronous from the
         host buffer: the caller reads each step's output (a sync) before the next fill, as the
         engine does.
         """
-        n = len(tokens)
+        n, q = len(seq_lens), self.q_len
         if not n <= bucket <= self.max_bs:
             raise ValueError(f"StaticDecodeInputs.fill: expected requests <= bucket <= {self.max_bs}, got {n}, {bucket}")
+        if not len(tokens) == len(positions) == len(slots) == n * q:
+            raise ValueError(f"StaticDecodeInputs.fill: expected {n * q} tokens, positions and slots ({q} per "
+                             f"request), got {len(tokens)}, {len(positions)}, {len(slots)}")
         np64, np32 = self._np64, self._np32
-        # rows n.. are padding requests (batch.PAD_TOKEN): one token at position 0, written
-        # nowhere, on no pages, so one key of their own (never read)
-        np64[0, :n], np64[0, n:bucket] = tokens, PAD_TOKEN
-        np64[1, :n], np64[1, n:bucket] = positions, 0
-        np64[2, :n], np64[2, n:bucket] = slots, PAD_SLOT
-        np32[:n], np32[n:bucket] = seq_lens, 1
+        t, end = n * q, bucket * q
+        # requests n.. are padding requests (batch.PAD_TOKEN): q tokens at positions 0..q-1,
+        # written nowhere, on no pages, so keys of their own only (never read)
+        np64[0, :t], np64[0, t:end] = tokens, PAD_TOKEN
+        np64[1, :t], np64[1, t:end] = positions, self._pad_positions[: end - t]
+        np64[2, :t], np64[2, t:end] = slots, PAD_SLOT
+        np32[:n], np32[n:bucket] = seq_lens, q
         cu = self._cu_k_at
         np32[cu] = 0
         np32[cu + 1 : cu + bucket + 1] = np32[:bucket].cumsum()  # cu_seqlens_k of the lengths above
@@ -186,7 +200,7 @@ class StaticDecodeInputs:
             batch.seq_lens: host32[:b],
             batch.cu_seqlens_k: host32[self._cu_k_at : self._cu_k_at + b + 1],
             batch.block_table: table[:b],
-            batch.cu_seqlens_q: torch.arange(b + 1, dtype=torch.int32),
+            batch.cu_seqlens_q: torch.arange(b + 1, dtype=torch.int32) * self.q_len,
         }
 
     def _set_row(self, i: int, pages: Sequence[int]) -> None:
@@ -221,16 +235,18 @@ class DecodeGraphs:
         buckets: batch sizes to capture, ascending.
         plans: forward method -> the BatchPlan its static batches carry (:func:`decode_plans`).
         max_pages: block-table width (pages of the longest request).
+        q_len: tokens per request (1; k + 1 for speculative verify steps). ``step_fn`` may
+            return a tensor or a tuple of tensors, one row per token.
     """
 
     desc = "capturing decode CUDA graphs"
 
     def __init__(self, step_fn, caches, buckets: Sequence[int], plans: dict[ForwardMethod, BatchPlan],
-                 max_pages: int, device, progress: bool | None = None):
+                 max_pages: int, device, progress: bool | None = None, q_len: int = 1):
         from tqdm.auto import tqdm
 
         self.buckets, self.methods = list(buckets), list(plans)
-        self.inputs = StaticDecodeInputs(self.buckets[-1], max_pages, device)
+        self.inputs = StaticDecodeInputs(self.buckets[-1], max_pages, device, q_len)
         self._fn, self._caches = step_fn, caches
         self._setup()
         # Largest bucket first: the memory pool it leaves serves the smaller ones.
@@ -247,12 +263,14 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= n)
 
     def run(self, method: ForwardMethod, tokens, positions, slots, pages, seq_lens) -> torch.Tensor:
-        """One decode step of n <= max_batch requests -> logits [n, V] (a view of the graph's
-        output: read it before the next step)."""
-        n = len(tokens)
+        """One decode step of n <= max_batch requests -> logits [n * q_len, V], or the step
+        function's tuple of such tensors (views of the graph's output: read them before the
+        next step)."""
+        n = len(seq_lens)
         bucket = self.bucket_for(n)
         self.inputs.fill(tokens, positions, slots, pages, seq_lens, bucket=bucket)
-        return self._replay(bucket, method)[:n]
+        out, rows = self._replay(bucket, method), n * self.inputs.q_len
+        return tuple(o[:rows] for o in out) if isinstance(out, tuple) else out[:rows]
 
     # --- our capture: torch.cuda.graph, one pool -------------------------------------------------
 

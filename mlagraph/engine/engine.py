@@ -16,6 +16,11 @@ sampling, stopping and the outputs.
 With ``cuda_graphs=True`` (CUDA only) decode steps replay CUDA graphs captured in the
 constructor, one per batch-size bucket (mlagraph.engine.cuda_graphs); prefill steps, and decode
 batches larger than the largest bucket, run the (compiled) step without graphs.
+
+With ``speculative="mtp"`` the model's multi-token-prediction layer drafts
+``num_speculative_tokens`` tokens per request and each decode step verifies them
+(mlagraph.engine.speculative); outputs are those of decoding without it (greedy: token for
+token; sampled: in distribution).
 """
 
 from __future__ import annotations
@@ -49,8 +54,16 @@ class StepStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     steps: int = 0
+    decode_steps: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    drafted_tokens: int = 0  # speculative decoding: drafts verified
+    accepted_tokens: int = 0  # of which the target kept
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0.0 before any draft was verified)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
 class Engine:
@@ -93,6 +106,12 @@ class Engine:
         prefix_caching: reuse the cache pages of prompt prefixes computed before (full pages,
             matched by a hash chain of their tokens; least recently used evicted first).
             Results equal prefix_caching=False; ``stats.cached_prompt_tokens`` counts the reuse.
+        speculative: None, or "mtp": speculative decoding drafted by the model's MTP layer
+            (``model.mtp``; DeepSeek-V3 / V3.2 checkpoints carry one), verified by the model in
+            one multi-token decode step per request (captured per bucket with cuda_graphs).
+            ``stats`` counts drafted and accepted tokens; ``stats.decode_tokens`` counts
+            generated tokens.
+        num_speculative_tokens: drafts per request and step with speculative="mtp", 1 to 3.
     """
 
     def __init__(
@@ -101,12 +120,14 @@ class Engine:
         num_pages: int | None = None, seed: int = 0, compile_backend: str = "mlagraph",
         dsa_dense_max_kv_len: int | None = None, compile_options: dict | None = None,
         cuda_graph_batch_sizes: Sequence[int] | None = None, progress: bool | None = None,
-        prefix_caching: bool = False,
+        prefix_caching: bool = False, speculative: str | None = None, num_speculative_tokens: int = 1,
     ):
         if page_size is None:
             page_size = model.backend.capabilities.preferred_page_size
         _check_args(model, max_num_seqs, max_model_len, page_size, compile, cuda_graphs, prefill_chunk_size,
                     num_pages, compile_backend, compile_options, cuda_graph_batch_sizes, progress, prefix_caching)
+        spec_k = _check_speculative(model, speculative, num_speculative_tokens, max_model_len, page_size,
+                                    num_pages, compile_options)
         if dsa_dense_max_kv_len is None:
             # The longest kv length whose sparse selection keeps every key, so dense is exact: the
             # config says so where that is not index_topk (V4 selects compressed entries).
@@ -119,22 +140,30 @@ class Engine:
         self.eos_token_ids = tuple(getattr(model, "eos_token_ids", ()))
         self.max_num_seqs, self.max_model_len, self.page_size = max_num_seqs, max_model_len, page_size
         self.prefill_chunk_size = prefill_chunk_size
-        pages_per_seq = math.ceil(max_model_len / page_size)
+        pages_per_seq = math.ceil((max_model_len + spec_k) / page_size)  # a verify step writes k slots past the end
         self.num_pages = num_pages if num_pages is not None else max_num_seqs * pages_per_seq
         self.prefix_caching = prefix_caching
-        self.allocator = BlockManager(self.num_pages, page_size, prefix_caching=prefix_caching)
+        # speculation: a page's prefix-cache key covers the token after it (speculative.py says why)
+        self.allocator = BlockManager(self.num_pages, page_size, prefix_caching=prefix_caching,
+                                      lookahead=1 if spec_k else 0)
         self.stats = StepStats()
         self.scheduler = Scheduler(self.allocator, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                   prefill_chunk_size=prefill_chunk_size)
+                                   prefill_chunk_size=prefill_chunk_size, speculative_tokens=spec_k)
         self.runner = ModelRunner(
             model, num_pages=self.num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, compile=compile, compile_backend=compile_backend,
-            compile_options=compile_options, cuda_graphs=cuda_graphs, cuda_graph_batch_sizes=cuda_graph_batch_sizes,
-            dsa_dense_max_kv_len=dsa_dense_max_kv_len, progress=progress,
+            compile_options=compile_options, cuda_graphs=cuda_graphs and not spec_k,
+            cuda_graph_batch_sizes=cuda_graph_batch_sizes, dsa_dense_max_kv_len=dsa_dense_max_kv_len,
+            progress=progress,
         )
         self.device = self.runner.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._ids = itertools.count()
+        self.speculator = None  # MTPSpeculator with speculative="mtp": it runs every step then
+        if spec_k:
+            from .speculative import MTPSpeculator
+
+            self.speculator = MTPSpeculator(self, spec_k, cuda_graphs, cuda_graph_batch_sizes, progress)
 
     @property
     def caches(self):
@@ -142,8 +171,8 @@ class Engine:
 
     @property
     def graphs(self):
-        """The decode CUDA graphs (None without cuda_graphs)."""
-        return self.runner.graphs
+        """The decode CUDA graphs (None without cuda_graphs): the verify steps' with speculation."""
+        return self.runner.graphs if self.speculator is None else self.speculator.verify_graphs
 
     @property
     def compiled_graphs(self) -> int:
@@ -215,7 +244,8 @@ class Engine:
 
         ``chunk_size`` prefills each prompt in chunks of that many tokens over its cached
         prefix. Every position's logits are needed, so nothing is taken from the prefix cache;
-        with prefix caching on, the pages computed here are cached for later requests.
+        with prefix caching on, the pages computed here are cached for later requests (not with
+        speculative decoding: the MTP layer's rows are not computed here).
         """
         self._check_idle("prompt_logprobs")
         ids = self._prompt_ids(prompts, "prompt_logprobs", max_len=self.max_model_len)
@@ -237,7 +267,7 @@ class Engine:
                 for req, toks in step:
                     rows[req.id].append(logits[row : row + len(toks)])
                     row += len(toks)
-                for req in self.scheduler.advance(step):
+                for req in self.scheduler.advance(step, cache_pages=self.speculator is None):
                     logp = torch.log_softmax(torch.cat(rows.pop(req.id))[:-1], dim=-1)  # predictions of tokens 1..n-1
                     target = torch.tensor(req.tokens[1:], device=logp.device)
                     results[req.id] = logp.gather(1, target[:, None])[:, 0].cpu()
@@ -310,6 +340,7 @@ class Engine:
         if all(r.decoding for r, _ in step):
             s.decode_tokens += n_tokens
             s.decode_seconds += elapsed
+            s.decode_steps += 1
         else:
             s.prefill_tokens += n_tokens
             s.prefill_seconds += elapsed
@@ -328,6 +359,8 @@ class Engine:
                     self.stats.cached_prompt_tokens += r.num_cached_prompt_tokens
             if not step:
                 return []
+            if self.speculator is not None:
+                return self.speculator.advance(step)
             logits = self._run(step, all_logits=False)
             rows = logits.unbind(0)  # one call for every row's view
             row_of = {id(r): i for i, (r, _) in enumerate(step)}
@@ -352,6 +385,39 @@ class Engine:
             len(req.tokens), req.num_generated, tok, req.stop_ids, matched, req.params.max_new_tokens,
             self.max_model_len,
         )
+
+
+def _check_speculative(model, speculative, k, max_model_len, page_size, num_pages, compile_options) -> int:
+    """The speculative arguments, checked; returns the drafts per step (0: no speculation)."""
+    if speculative is None:
+        if k != 1:
+            raise ValueError(f"Engine: num_speculative_tokens: given ({k!r}) but speculative=None")
+        return 0
+    if speculative != "mtp":
+        raise ValueError(f"Engine: speculative: expected None or 'mtp', got {speculative!r}")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 3:
+        raise ValueError(f"Engine: num_speculative_tokens: expected an int in 1..3, got {k!r}")
+    if getattr(model, "mtp", None) is None:
+        cfg = model.config
+        why = (f"its config has num_nextn_predict_layers={getattr(cfg, 'num_nextn_predict_layers', 0)}, "
+               f"or its checkpoint has no model.layers.{cfg.num_hidden_layers}.* weights (transformers' "
+               f"save_pretrained drops them), or it runs tensor parallel")
+        raise ValueError(f"Engine: speculative='mtp': expected a model with an MTP layer (model.mtp), got one "
+                         f"without ({why})")
+    if max_model_len + k > model.config.max_position_embeddings:
+        raise ValueError(
+            f"Engine: max_model_len: expected <= max_position_embeddings - num_speculative_tokens "
+            f"({model.config.max_position_embeddings} - {k}: verify steps reach {k} positions past the end), "
+            f"got {max_model_len}")
+    need = math.ceil((max_model_len + k) / page_size)
+    if num_pages is not None and num_pages < need:
+        raise ValueError(f"Engine: num_pages: expected at least {need} (one request of max_model_len={max_model_len} "
+                         f"tokens and {k} speculative slots in pages of {page_size}), got {num_pages}")
+    mode = (compile_options or {}).get("mode")
+    if mode is not None and torch._inductor.list_mode_options(mode).get("triton.cudagraphs"):
+        raise ValueError(f"Engine: compile_options: mode {mode!r} captures Inductor's CUDA graphs, which "
+                         f"speculative='mtp' does not use; use cuda_graphs=True instead")
+    return k
 
 
 def _check_args(model, max_num_seqs, max_model_len, page_size, compile, cuda_graphs, prefill_chunk_size, num_pages,

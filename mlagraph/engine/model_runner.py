@@ -44,6 +44,7 @@ class ModelRunner:
         self.compiled = []  # the CompiledSteps this runner owns
         self.min_reqs = 1
         self.compile_progress = CompileProgress(progress) if compile else None
+        self.compile_kwargs = None  # what mlagraph.compile was given (the speculator compiles its steps alike)
         decode_fn, inductor_graphs = model, False
         if compile:
             from ..compiler import compile as mlagraph_compile
@@ -54,6 +55,7 @@ class ModelRunner:
             options = dict(compile_options or {})
             mode = options.pop("mode", None)
             kw = dict(backend=compile_backend, fullgraph=True, dynamic=True, **options)
+            self.compile_kwargs = dict(kw, mode=mode)
             inductor_graphs = mode is not None and bool(torch._inductor.list_mode_options(mode).get("triton.cudagraphs"))
             # Prefill never runs in Inductor's graphs (one per prompt length would pile up).
             self.step_fn = mlagraph_compile(model, **kw, mode=None if inductor_graphs else mode)

@@ -12,8 +12,12 @@ import dataclasses
 import math
 import operator
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .stopping import TextTracker
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +120,9 @@ class Request:
     num_cached: int = 0
     num_cached_prompt_tokens: int = 0
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    # speculative decoding: the drafts to verify next, and the distributions [k, V] they were drawn from
+    draft: list[int] = dataclasses.field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -8,6 +8,10 @@ its last prompt token to compute: its logits give the first generated token).
 
 Each step every decoding request brings its one new token and prompt chunks fill the rest of
 the token budget (``prefill_chunk_size``; unlimited when None).
+
+With speculative decoding (``speculative_tokens`` k > 0) a decoding request brings its new
+token and its k draft tokens (``req.draft``), and its pages are assured for k more tokens:
+a verify step writes k positions past what the request may end with.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ Step = list[tuple[Request, list[int]]]  # (request, its new tokens this step)
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_model_len: int,
-                 prefill_chunk_size: int | None):
+                 prefill_chunk_size: int | None, speculative_tokens: int = 0):
         self.blocks = block_manager
+        self.speculative_tokens = speculative_tokens
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.prefill_chunk_size = prefill_chunk_size
         self.waiting: collections.deque[Request] = collections.deque()
@@ -42,7 +47,8 @@ class Scheduler:
 
     def _max_pages(self, req: Request) -> int:
         """Pages the request holds when it ends at the latest."""
-        return self.pages_for(min(req.prompt_len + req.params.max_new_tokens, self.max_model_len))
+        end = min(req.prompt_len + req.params.max_new_tokens, self.max_model_len) + self.speculative_tokens
+        return self.pages_for(end)
 
     def admit(self, req: Request, *, reuse_prefix: bool = True) -> bool:
         """Takes ``req`` into the running set if its pages are assured (matching its prefix
@@ -68,12 +74,11 @@ class Scheduler:
         return self.plan(self.running, self.prefill_chunk_size)
 
     def plan(self, reqs: list[Request], chunk_size: int | None) -> Step:
-        """Every decoding request's new token, then prompt chunks within the token budget; the
-        pages the step writes are allocated."""
+        """Every decoding request's new token (and draft), then prompt chunks within the token
+        budget; the pages the step writes are allocated."""
         budget = chunk_size or math.inf
-        decode = [r for r in reqs if r.decoding]
-        budget -= len(decode)
-        step: Step = [(r, r.tokens[r.num_cached :]) for r in decode]
+        step: Step = [(r, r.tokens[r.num_cached :] + r.draft) for r in reqs if r.decoding]
+        budget -= sum(len(t) for _, t in step)
         for r in reqs:
             if r.decoding:
                 continue
@@ -84,21 +89,28 @@ class Scheduler:
             step.append((r, r.tokens[r.num_cached : r.num_cached + take]))
             budget -= take
         for r, toks in step:
-            need = self.pages_for(r.num_cached + len(toks)) - len(r.pages)
-            if need > 0:
-                r.pages += self.blocks.allocate(need)
+            self.ensure_pages(r, r.num_cached + len(toks))
         return step
 
-    def advance(self, step: Step) -> list[Request]:
-        """After a step ran: its tokens are cached (full pages become findable); returns the
-        requests that reached the end of their known tokens (they sample next)."""
+    def advance(self, step: Step, cache_pages: bool = True) -> list[Request]:
+        """After a step ran: its tokens are cached (full pages become findable unless
+        ``cache_pages`` is False); returns the requests that reached the end of their known
+        tokens (they sample next)."""
         ready = []
         for r, toks in step:
             r.num_cached += len(toks)
-            self.blocks.cache_full_pages(r.pages, r.tokens, r.num_cached, r.page_hashes)
+            if cache_pages:
+                self.blocks.cache_full_pages(r.pages, r.tokens, r.num_cached, r.page_hashes)
             if r.num_cached == len(r.tokens):
                 ready.append(r)
         return ready
+
+    def ensure_pages(self, req: Request, num_tokens: int) -> None:
+        """Allocates pages until ``req`` holds slots for ``num_tokens`` tokens (within what its
+        admission assured)."""
+        need = self.pages_for(num_tokens) - len(req.pages)
+        if need > 0:
+            req.pages += self.blocks.allocate(need)
 
     def finish(self, req: Request) -> None:
         """Takes a finished (or abandoned) request out and releases its pages."""

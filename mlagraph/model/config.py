@@ -94,6 +94,9 @@ class DeepseekConfig:
     index_topk: int = 0
     index_head_dim: int = 0
     index_n_heads: int = 0
+    # multi-token-prediction layers after the decoder layers (DeepSeek-V3 / V3.2: 1); 0 when
+    # the checkpoint holds none (mlagraph.model.mtp)
+    num_nextn_predict_layers: int = 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -196,6 +199,7 @@ class DeepseekConfig:
             index_topk=int(d.get("index_topk") or 0) if model_type == "deepseek_v32" else 0,
             index_head_dim=int(d.get("index_head_dim") or 0),
             index_n_heads=int(d.get("index_n_heads") or 0),
+            num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
         )
         cfg.validate()
         return cfg

@@ -9,6 +9,7 @@ Shapes: T tokens of the batch (all requests packed), D hidden size, V vocabulary
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -174,6 +175,13 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, parallel.shard(cfg.vocab_size, "vocab_size")[1], bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # DeepSeek's multi-token-prediction layer (speculative decoding's draft), when the
+        # config has one; on one rank only for now (mlagraph/model/mtp.py)
+        self.mtp = None
+        if cfg.num_nextn_predict_layers and parallel.world == 1:
+            from .mtp import MTPLayer
+
+            self.mtp = MTPLayer(cfg, self.backend)
         # What generation needs from the checkpoint beyond weights (set by from_pretrained /
         # from_config): its tokenizer (None: token ids only) and end-of-sequence ids.
         self.tokenizer: Tokenizer | None = None
@@ -265,7 +273,7 @@ class DeepseekForCausalLM(nn.Module):
         routed experts split by expert; each rank reads only its slices of the shards. fp8
         weights are dequantized at load there for now ("keep" raises).
         """
-        from .loading import check_shards, checkpoint_dir, checkpoint_files, load_checkpoint
+        from .loading import check_shards, checkpoint_dir, checkpoint_files, has_mtp_weights, load_checkpoint
 
         path = checkpoint_dir(path)
         dtype, device = _as_dtype(dtype), _as_device(device)
@@ -287,6 +295,9 @@ class DeepseekForCausalLM(nn.Module):
             return model
         cfg = DeepseekConfig.from_hf(path)
         check_shards(checkpoint_files(path))
+        if cfg.num_nextn_predict_layers and not has_mtp_weights(checkpoint_files(path), cfg.num_hidden_layers):
+            # transformers' save_pretrained keeps the config's count and drops the layer
+            cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
         tokenizer, eos = Tokenizer.from_dir(path), eos_token_ids(path, cfg.vocab_size)
         model = cls(cfg, backend=backend, kv_cache_dtype=kv_cache_dtype, parallel=ps, device=device)
         load_checkpoint(model, path, progress=progress and ps.rank == 0, fp8_weights=fp8_weights, dtype=dtype)
@@ -318,31 +329,40 @@ class DeepseekForCausalLM(nn.Module):
         self.dtype = dtype
         return self.eval().requires_grad_(False)
 
-    def allocate_caches(self, num_pages: int, page_size: int) -> KVCaches:
-        """Zeroed paged caches for every layer: latent (and indexer keys for V3.2)."""
+    def allocate_caches(self, num_pages: int, page_size: int, num_layers: int | None = None) -> KVCaches:
+        """Zeroed paged caches for every layer: latent (and indexer keys for V3.2); for
+        ``num_layers`` layers instead when given (the MTP layer's cache: 1)."""
         cfg, device = self.config, self.lm_head.weight.device
+        n = cfg.num_hidden_layers if num_layers is None else num_layers
         width = layouts.latent_row_width(self.cache_layout, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         dt = layouts.latent_storage_dtype(self.cache_layout, self.dtype)
-        latent = [torch.zeros(num_pages, page_size, width, dtype=dt, device=device) for _ in range(cfg.num_hidden_layers)]
+        latent = [torch.zeros(num_pages, page_size, width, dtype=dt, device=device) for _ in range(n)]
         scale = torch.ones(1, dtype=torch.float32, device=device) if self.cache_layout == "fp8" else None
         index = None
         if cfg.uses_dsa:
             iw = layouts.indexer_row_width(self.index_layout, cfg.index_head_dim)
             idt = layouts.indexer_storage_dtype(self.index_layout, self.dtype)
-            index = [torch.zeros(num_pages, page_size, iw, dtype=idt, device=device) for _ in range(cfg.num_hidden_layers)]
+            index = [torch.zeros(num_pages, page_size, iw, dtype=idt, device=device) for _ in range(n)]
         return KVCaches(self.cache_layout, latent, scale, self.index_layout, index)
 
     # --- forward -------------------------------------------------------------------------
 
     def forward(self, batch: Batch, caches: KVCaches) -> torch.Tensor:
         """One step: batch.input_ids [T] -> float32 logits [N, V] at batch.logits_indices [N]."""
+        return self.logits(self.hidden_states(batch, caches))
+
+    def hidden_states(self, batch: Batch, caches: KVCaches) -> torch.Tensor:
+        """One step's final hidden states, after the final norm, at batch.logits_indices: [N, D]."""
         if self.parallel.world == 1:
             h = self.model.embed_tokens(batch.input_ids)  # [T, D]
         else:  # this rank's rows of the vocabulary, summed over ranks
             h = vocab_parallel_embedding(batch.input_ids, self.model.embed_tokens.weight, self.parallel)
         for layer in self.model.layers:
             h = layer(h, batch, self.rope_cos_sin, caches)
-        h = self.model.norm(h[batch.logits_indices])
+        return self.model.norm(h[batch.logits_indices])
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [N, D] -> float32 logits [N, V]."""
         # tensor parallel: [N, V/world] per rank, gathered to [N, V] on every rank
         return all_gather_last(self.lm_head(h), self.parallel).float()
 

@@ -7,8 +7,11 @@ On-disk names are the Hugging Face ones. Three things differ from our parameters
   (already-stacked checkpoints load too);
 - DeepSeek's own fp8 checkpoints store ``W`` as e4m3 with ``W.weight_scale_inv`` per 128x128
   block; those stay e4m3 (fp8_weights.py says which layers, and when) or are dequantized on load;
-- multi-token-prediction layers (``model.layers.{n}`` with n >= num_hidden_layers) and rotary
-  ``inv_freq`` buffers are not part of the model and are skipped;
+- the multi-token-prediction layer ``model.layers.{n}`` (n = num_hidden_layers) loads as
+  ``mtp.*`` when the model has one (mlagraph.model.mtp), without its ``embed_tokens`` and
+  ``shared_head.head``: DeepSeek stores copies of the main model's there, and the layer uses
+  the main model's. Further MTP layers (n + 1, ...; DeepSeek ships one) and rotary
+  ``inv_freq`` buffers are skipped;
 - a model may rename on-disk keys: if it has a ``checkpoint_key(key)`` method, every key is
   passed through it first (None: skip the tensor). DeepSeek-V4's checkpoints use DeepSeek's
   own names (``layers.{i}.attn.wq_a.weight``, ...), see mlagraph.model.deepseek_v4;
@@ -33,7 +36,7 @@ from .config import read_config_file, read_json
 from .fp8_weights import DEQUANTIZED_AT_LOAD, fp8_linear_for, keep_experts_fp8, keeps_fp8
 from .parallel import SINGLE, local_slice
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^((?:model\.layers\.\d+|mtp)\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MAX_LISTED = 20
 _CHECKPOINT_BUFFERS = ("e_score_correction_bias", "tid2eid")  # buffers a checkpoint holds (V4: hash routing)
@@ -94,6 +97,30 @@ def check_shards(files: list[str]) -> None:
                              f"(truncated or interrupted download?)") from None
 
 
+def has_mtp_weights(files: list[str], num_layers: int) -> bool:
+    """Whether the checkpoint holds the multi-token-prediction layer ``model.layers.{num_layers}``
+    (transformers' save_pretrained drops it but keeps ``num_nextn_predict_layers``)."""
+    prefix = f"model.layers.{num_layers}."
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            if any(k.startswith(prefix) for k in f.keys()):
+                return True
+    return False
+
+
+def _our_key(key: str, num_layers: int, mtp: bool) -> str | None:
+    """Our name for a checkpoint key (after the model's own renaming); None: not loaded."""
+    m = _LAYER.match(key)
+    if not m or int(m.group(1)) < num_layers:
+        return key
+    if not mtp or int(m.group(1)) > num_layers:
+        return None  # an MTP layer the model does not run
+    rest = key[m.end():]
+    if rest.startswith(("embed_tokens.", "shared_head.head.")):
+        return None  # copies of the main model's embedding and head, which the MTP layer uses
+    return "mtp." + rest
+
+
 def _keep_fp8_layers(model: nn.Module, fp8_keys: set[str]) -> set[str]:
     """Turns the layers holding these fp8 checkpoint weights into fp8 ones (Fp8Linear, fp8
     experts); returns the checkpoint keys that now load as e4m3. Keys naming no layer of the
@@ -130,8 +157,15 @@ def load_checkpoint(
     for file in files:
         with safe_open(file, framework="pt") as f:
             scale_files.update((k, file) for k in f.keys() if k.endswith("_scale_inv"))
-    fp8_keys = {k.removesuffix("_scale_inv") for k in scale_files}
-    fp8_keys = {k for k in fp8_keys if not ((m := _LAYER.match(k)) and int(m.group(1)) >= num_layers)}
+    rename = getattr(model, "checkpoint_key", None) or (lambda key: key)
+    has_mtp = getattr(model, "mtp", None) is not None
+
+    def ours(disk_key: str) -> str | None:
+        key = rename(disk_key)
+        return None if key is None else _our_key(key, num_layers, has_mtp)
+
+    # (the model's own renaming is not applied here: as before, fp8 layers are found by disk name)
+    fp8_keys = {_our_key(k.removesuffix("_scale_inv"), num_layers, has_mtp) for k in scale_files} - {None}
     kept: set[str] = set()
     if keeps_fp8(fp8_weights, read_config_file(path), bool(fp8_keys), dtype):
         kept = _keep_fp8_layers(model, fp8_keys)
@@ -141,7 +175,6 @@ def load_checkpoint(
         {n: b for n, b in model.named_buffers()
          if n.endswith(_CHECKPOINT_BUFFERS) or n.endswith("_scale_inv") or b.dtype == FP8_DTYPE}
     )
-    rename = getattr(model, "checkpoint_key", None) or (lambda key: key)
     ps = getattr(model, "parallel", SINGLE)
     # expert parallel: each MoE layer's first local expert and how many it holds
     first_expert = {f"{n}.experts": m.first_expert for n, m in model.named_modules()
@@ -160,12 +193,9 @@ def load_checkpoint(
                 for disk_key in sorted(keys):
                     if disk_key.endswith("weight_scale_inv") or disk_key.endswith("rotary_emb.inv_freq"):
                         continue
-                    key = rename(disk_key)
+                    key = ours(disk_key)
                     if key is None:
                         continue
-                    m = _LAYER.match(key)
-                    if m and int(m.group(1)) >= num_layers:
-                        continue  # multi-token-prediction layers
                     em = _EXPERT.match(key)
                     if em and ps.world > 1:
                         e = int(em.group(2)) - first_expert.get(em.group(1), 0)

@@ -43,6 +43,8 @@ PLANS = [
     BatchPlan(BatchKind.MIXED, 0, True),
     BatchPlan(BatchKind.PREFILL, 0, True, dsa_dense=True),
     BatchPlan(BatchKind.MIXED, 0, True, dsa_split=True),
+    BatchPlan(BatchKind.MULTI_TOKEN_DECODE, 3, True),  # speculative verify steps of V3.2
+    BatchPlan(BatchKind.MULTI_TOKEN_DECODE, 3, True, dsa_dense=True),
 ]
 
 
@@ -71,23 +73,37 @@ class TestDispatchMatrix(expecttest.TestCase):
     def test_matrix(self):
         self.assertExpectedInline(_render_matrix(), """\
 caps(multi_tok,mha_prefi,mha_over_,sparse_ml)
-      prefil     chunke     decode     mixed      multi_     prefil/dsa decode/dsa mixed/dsa  prefil/dense mixed/split
-0000: -          -          absorbed   -          -          -          -          -          -          -
-0001: -          -          absorbed   -          -          sparse     sparse     sparse     sparse     sparse
-0010: -          mha_prefix absorbed   mha_prefix mha_prefix -          -          -          -          -
-0011: -          mha_prefix absorbed   mha_prefix mha_prefix sparse     sparse     sparse     sparse     dsa_split
-0100: mha        -          absorbed   -          -          -          -          -          mha        -
-0101: mha        -          absorbed   -          -          sparse     sparse     sparse     mha        sparse
-0110: mha        mha_prefix absorbed   mha_prefix mha_prefix -          -          -          mha        -
-0111: mha        mha_prefix absorbed   mha_prefix mha_prefix sparse     sparse     sparse     mha        dsa_split
-1000: -          -          absorbed   -          absorbed   -          -          -          -          -
-1001: -          -          absorbed   -          absorbed   sparse     sparse     sparse     sparse     sparse
-1010: -          mha_prefix absorbed   mha_prefix absorbed   -          -          -          -          -
-1011: -          mha_prefix absorbed   mha_prefix absorbed   sparse     sparse     sparse     sparse     dsa_split
-1100: mha        -          absorbed   -          absorbed   -          -          -          mha        -
-1101: mha        -          absorbed   -          absorbed   sparse     sparse     sparse     mha        sparse
-1110: mha        mha_prefix absorbed   mha_prefix absorbed   -          -          -          mha        -
-1111: mha        mha_prefix absorbed   mha_prefix absorbed   sparse     sparse     sparse     mha        dsa_split""")
+      prefil     chunke     decode     mixed      multi_     prefil/dsa decode/dsa mixed/dsa  prefil/dense mixed/split multi_/dsa multi_/dense
+0000: -          -          absorbed   -          -          -          -          -          -          -          -          -
+0001: -          -          absorbed   -          -          sparse     sparse     sparse     sparse     sparse     sparse     sparse
+0010: -          mha_prefix absorbed   mha_prefix mha_prefix -          -          -          -          -          -          mha_prefix
+0011: -          mha_prefix absorbed   mha_prefix mha_prefix sparse     sparse     sparse     sparse     dsa_split  sparse     mha_prefix
+0100: mha        -          absorbed   -          -          -          -          -          mha        -          -          -
+0101: mha        -          absorbed   -          -          sparse     sparse     sparse     mha        sparse     sparse     sparse
+0110: mha        mha_prefix absorbed   mha_prefix mha_prefix -          -          -          mha        -          -          mha_prefix
+0111: mha        mha_prefix absorbed   mha_prefix mha_prefix sparse     sparse     sparse     mha        dsa_split  sparse     mha_prefix
+1000: -          -          absorbed   -          absorbed   -          -          -          -          -          -          absorbed
+1001: -          -          absorbed   -          absorbed   sparse     sparse     sparse     sparse     sparse     sparse     absorbed
+1010: -          mha_prefix absorbed   mha_prefix absorbed   -          -          -          -          -          -          absorbed
+1011: -          mha_prefix absorbed   mha_prefix absorbed   sparse     sparse     sparse     sparse     dsa_split  sparse     absorbed
+1100: mha        -          absorbed   -          absorbed   -          -          -          mha        -          -          absorbed
+1101: mha        -          absorbed   -          absorbed   sparse     sparse     sparse     mha        sparse     sparse     absorbed
+1110: mha        mha_prefix absorbed   mha_prefix absorbed   -          -          -          mha        -          -          absorbed
+1111: mha        mha_prefix absorbed   mha_prefix absorbed   sparse     sparse     sparse     mha        dsa_split  sparse     absorbed""")
+
+
+def test_verify_steps_per_registered_backend():
+    """Speculative verify steps (s_q = k + 1): the absorbed decode where the backend's decode
+    takes s_q > 1, MHA over the cached prefix where it takes s_q = 1 only (aiter)."""
+    got = {}
+    for b in backends.registered():
+        plan, method = plan_step(b.capabilities, [3, 3], [7, 2], [True, True], dsa=False)
+        assert plan.kind is BatchKind.MULTI_TOKEN_DECODE and plan.decode_q_len == 3
+        got[b.name] = method
+        assert method is (ForwardMethod.ABSORBED if b.capabilities.multi_token_decode else ForwardMethod.MHA_PREFIX)
+    assert got["reference"] is ForwardMethod.ABSORBED
+    if "aiter" in got:
+        assert got["aiter"] is ForwardMethod.MHA_PREFIX
 
 
 def test_dispatch_ignores_environment(monkeypatch):
