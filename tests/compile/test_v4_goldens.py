@@ -51,91 +51,127 @@ def _graph(model: DeepseekForCausalLM, kind: str) -> str:
 class TestV4Goldens(expecttest.TestCase):
     def test_sliding_prefill(self):
         self.assertExpectedInline(_graph(_model("sliding_attention"), "prefill"), """\
-inputs: 49 tensors
-# layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (sliding_attention): layer 0
+inputs: 19 tensors
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v1 = aten.cat([_, v0.0], -1)
 v2 = aten.cat([_, v0.1], -1)
-mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
-v3 = mlagraph.swa_attention(q=v1, kv_cache=in19', sinks=in21, positions=in18, req_ids=in22, block_table=in23, window=6, softmax_scale=0.25)
-v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+mlagraph.swa_cache_write(kv=v2~, kv_cache=in12!, slot_mapping=in13)
+v3 = mlagraph.swa_attention(q=v1, kv_cache=in12', sinks=in14, positions=in11, req_ids=in15, block_table=in16, window=6, softmax_scale=0.25)
+v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v5 = aten.cat([v3.0~, _], -1)
-v6 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in35, down_proj=in36, e_score_correction_bias=in34, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+# mlp (moe): layer 0
+inputs: 12 tensors
+v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
+# head
+inputs: 7 tensors""")
 
     def test_sliding_decode(self):
         self.assertExpectedInline(_graph(_model("sliding_attention"), "decode"), """\
-inputs: 49 tensors
-# layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (sliding_attention): layer 0
+inputs: 19 tensors
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v1 = aten.cat([_, v0.0], -1)
 v2 = aten.cat([_, v0.1], -1)
-mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
-v3 = mlagraph.swa_decode(q=v1~, kv_cache=in19', sinks=in22, block_table=in21, seq_lens=in23, window=6, softmax_scale=0.25)
-v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+mlagraph.swa_cache_write(kv=v2~, kv_cache=in12!, slot_mapping=in13)
+v3 = mlagraph.swa_decode(q=v1~, kv_cache=in12', sinks=in15, block_table=in14, seq_lens=in16, window=6, softmax_scale=0.25)
+v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v5 = aten.cat([v3.0~, _], -1)
-v6 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in35, down_proj=in36, e_score_correction_bias=in34, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+# mlp (moe): layer 0
+inputs: 12 tensors
+v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
+# head
+inputs: 7 tensors""")
 
     def test_hca_prefill(self):
         self.assertExpectedInline(_graph(_model("heavily_compressed_attention"), "prefill"), """\
-inputs: 55 tensors
-# layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (heavily_compressed_attention): layer 0
+inputs: 25 tensors
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v1 = aten.cat([_, v0.0], -1)
 v2 = aten.cat([_, v0.1], -1)
-mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=4, overlap=False, eps=1e-06)
-v3 = mlagraph.hca_attention(q=v1, kv_cache=in19', compressed_cache=in28', sinks=in29, positions=in18, req_ids=in25, block_table=in26, window=6, compress_rate=4, softmax_scale=0.25)
-v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+mlagraph.swa_cache_write(kv=v2~, kv_cache=in12!, slot_mapping=in13)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in16, norm_weight=in17, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in20!, compressed_cache=in21!, compress_rate=4, overlap=False, eps=1e-06)
+v3 = mlagraph.hca_attention(q=v1, kv_cache=in12', compressed_cache=in21', sinks=in22, positions=in11, req_ids=in18, block_table=in19, window=6, compress_rate=4, softmax_scale=0.25)
+v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v5 = aten.cat([v3.0~, _], -1)
-v6 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in41, down_proj=in42, e_score_correction_bias=in40, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+# mlp (moe): layer 0
+inputs: 12 tensors
+v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
+# head
+inputs: 7 tensors""")
 
     def test_csa_prefill(self):
         self.assertExpectedInline(_graph(_model("compressed_sparse_attention"), "prefill"), """\
-inputs: 63 tensors
-# layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (compressed_sparse_attention): layer 0
+inputs: 33 tensors
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v1 = aten.cat([_, v0.0], -1)
 v2 = aten.cat([_, v0.1], -1)
-mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=2, overlap=True, eps=1e-06)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in31, norm_weight=in32, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in33!, compressed_cache=in34!, compress_rate=2, overlap=True, eps=1e-06)
-v3 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+mlagraph.swa_cache_write(kv=v2~, kv_cache=in12!, slot_mapping=in13)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in16, norm_weight=in17, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in20!, compressed_cache=in21!, compress_rate=2, overlap=True, eps=1e-06)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in24, norm_weight=in25, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in26!, compressed_cache=in27!, compress_rate=2, overlap=True, eps=1e-06)
+v3 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v4 = aten.cat([_, v3.0], -1)
-v5 = mlagraph.csa_indexer_topk(q=v4, weights=_, index_cache=in34', positions=in18, req_ids=in25, block_table=in26, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
-v6 = mlagraph.csa_attention(q=v1, kv_cache=in19', compressed_cache=in28', topk_indices=v5, sinks=in37, positions=in18, req_ids=in25, block_table=in26, window=6, compress_rate=2, softmax_scale=0.25)
-v7 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v5 = mlagraph.csa_indexer_topk(q=v4, weights=_, index_cache=in27', positions=in11, req_ids=in18, block_table=in19, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
+v6 = mlagraph.csa_attention(q=v1, kv_cache=in12', compressed_cache=in21', topk_indices=v5, sinks=in30, positions=in11, req_ids=in18, block_table=in19, window=6, compress_rate=2, softmax_scale=0.25)
+v7 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v8 = aten.cat([v6.0~, _], -1)
-v9 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in49, down_proj=in50, e_score_correction_bias=in48, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+# mlp (moe): layer 0
+inputs: 12 tensors
+v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
+# head
+inputs: 7 tensors""")
 
     def test_csa_dense_prefill_has_no_indexer_scoring(self):
         self.assertExpectedInline(_graph(_model("compressed_sparse_attention"), "dense_prefill"), """\
-inputs: 61 tensors
-# layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (compressed_sparse_attention): layer 0
+inputs: 31 tensors
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v1 = aten.cat([_, v0.0], -1)
 v2 = aten.cat([_, v0.1], -1)
-mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=2, overlap=True, eps=1e-06)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in31, norm_weight=in32, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in33!, compressed_cache=in34!, compress_rate=2, overlap=True, eps=1e-06)
-v3 = mlagraph.hca_attention(q=v1, kv_cache=in19', compressed_cache=in28', sinks=in35, positions=in18, req_ids=in25, block_table=in26, window=6, compress_rate=2, softmax_scale=0.25)
-v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+mlagraph.swa_cache_write(kv=v2~, kv_cache=in12!, slot_mapping=in13)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in16, norm_weight=in17, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in20!, compressed_cache=in21!, compress_rate=2, overlap=True, eps=1e-06)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in24, norm_weight=in25, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in26!, compressed_cache=in27!, compress_rate=2, overlap=True, eps=1e-06)
+v3 = mlagraph.hca_attention(q=v1, kv_cache=in12', compressed_cache=in21', sinks=in28, positions=in11, req_ids=in18, block_table=in19, window=6, compress_rate=2, softmax_scale=0.25)
+v4 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v5 = aten.cat([v3.0~, _], -1)
-v6 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in47, down_proj=in48, e_score_correction_bias=in46, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+# mlp (moe): layer 0
+inputs: 12 tensors
+v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
+# head
+inputs: 7 tensors""")
 
     def test_csa_decode(self):
         self.assertExpectedInline(_graph(_model("compressed_sparse_attention"), "decode"), """\
-inputs: 64 tensors
-# layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (compressed_sparse_attention): layer 0
+inputs: 34 tensors
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v1 = aten.cat([_, v0.0], -1)
 v2 = aten.cat([_, v0.1], -1)
-mlagraph.swa_cache_write(kv=v2~, kv_cache=in19!, slot_mapping=in20)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=2, overlap=True, eps=1e-06)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in31, norm_weight=in32, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in33!, compressed_cache=in34!, compress_rate=2, overlap=True, eps=1e-06)
-v3 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+mlagraph.swa_cache_write(kv=v2~, kv_cache=in12!, slot_mapping=in13)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in16, norm_weight=in17, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in20!, compressed_cache=in21!, compress_rate=2, overlap=True, eps=1e-06)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in24, norm_weight=in25, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in26!, compressed_cache=in27!, compress_rate=2, overlap=True, eps=1e-06)
+v3 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v4 = aten.cat([_, v3.0], -1)
-v5 = mlagraph.csa_indexer_topk(q=v4, weights=_, index_cache=in34', positions=in18, req_ids=in25, block_table=in26, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
-v6 = mlagraph.csa_decode(q=v1~, kv_cache=in19', compressed_cache=in28', topk_indices=v5~, sinks=in37, block_table=in26, seq_lens=in38, window=6, compress_rate=2, softmax_scale=0.25)
-v7 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v5 = mlagraph.csa_indexer_topk(q=v4, weights=_, index_cache=in27', positions=in11, req_ids=in18, block_table=in19, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
+v6 = mlagraph.csa_decode(q=v1~, kv_cache=in12', compressed_cache=in21', topk_indices=v5~, sinks=in30, block_table=in19, seq_lens=in31, window=6, compress_rate=2, softmax_scale=0.25)
+v7 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v8 = aten.cat([v6.0~, _], -1)
-v9 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in50, down_proj=in51, e_score_correction_bias=in49, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+# mlp (moe): layer 0
+inputs: 12 tensors
+v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
+# head
+inputs: 7 tensors""")
