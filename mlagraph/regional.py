@@ -121,9 +121,10 @@ class RegionalStep:
         """Wall time of the calls that compiled a region."""
         return sum(r.seconds for r in self.regions.values())
 
-    def _region(self, key: tuple, label: str, method: str) -> Region:
+    def _region(self, key: tuple, method: str) -> Region:
         region = self.regions.get(key)
         if region is None:
+            label = key[0] if key[0] in ("embed", "head") else f"{key[0]} ({key[1]})"
             region = self.regions[key] = Region(label, method, self._compiler, self._kwargs)
         return region
 
@@ -131,23 +132,22 @@ class RegionalStep:
         model, variant = self.fn, batch.variant
         one = batch.single_request
         ran: list[tuple[Region, int | None]] | None = None if variant in self.variants else []
-        known = {id(r.report) for r in self.regions.values()}
+        known = set() if ran is None else {id(r.report) for r in self.regions.values()}
 
-        def run(key, label, method, module, args, layer=None):
-            region = self._region(key, label, method)
+        def run(key, method, module, args, layer=None):
+            region = self._region(key, method)
             if ran is not None:
                 ran.append((region, layer))
             return region(module, *args)
 
         with no_duck_shapes():
-            h = run(("embed", one), "embed", "embed", model, (batch.input_ids,))
+            h = run(("embed", one), "embed", model, (batch.input_ids,))
             mlp_args = model.mlp_args(batch)
             for i, layer in enumerate(model.model.layers):
-                a, m = layer.attention_kind, layer.mlp_kind
-                h = run(("attention", a, variant), f"attention ({a})", "attention_block", layer,
+                h = run(("attention", layer.attention_kind, variant), "attention_block", layer,
                         (h, batch, *model.attention_args(caches, i)), i)
-                h = run(("mlp", m, one), f"mlp ({m})", "mlp_block", layer, (h, *mlp_args), i)
-            logits = run(("head", one), "head", "head", model, (h, batch.logits_indices))
+                h = run(("mlp", layer.mlp_kind, one), "mlp_block", layer, (h, *mlp_args), i)
+            logits = run(("head", one), "head", model, (h, batch.logits_indices))
         if ran is not None:
             self.variants.add(variant)
             # Filed when some region ran the passes now; a step whose new regions all came
