@@ -20,6 +20,7 @@ instance of a class shares its ``forward`` and the limit of 8 graphs that comes 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -29,6 +30,7 @@ from ._compat import no_duck_shapes
 from .ops import backends
 from .passes.graph_utils import op_name
 from .passes.manager import MLAPassManager
+from .regional import RegionalStep, supports_regions
 
 _PASS_OPTIONS = ("attention_backend", "strict", "lint", "passes")
 
@@ -93,13 +95,18 @@ def mlagraph_eager_backend(gm: torch.fx.GraphModule, example_inputs, *, mode=Non
 
 
 def compile(model_or_fn, *, backend: str = "mlagraph", strict: bool = False, lint: bool = True, passes=None,
-            attention_backend: str | None = None, **torch_compile_kwargs: Any) -> CompiledStep:
+            attention_backend: str | None = None, regional: bool = True,
+            **torch_compile_kwargs: Any) -> CompiledStep | RegionalStep:
     """``torch.compile`` with mlagraph's passes for the model's attention backend.
 
     Args:
         model_or_fn: a DeepseekForCausalLM (its ``.backend`` names the attention backend) or any
             callable (then ``attention_backend`` or the graph's ops decide).
         backend: "mlagraph" (Inductor) or "mlagraph_eager" (AOT graph run eagerly).
+        regional: for a DeepSeek model, compile each kind of layer block once and run every
+            layer of that kind through its graph (:class:`~mlagraph.regional.RegionalStep`);
+            False compiles the whole step as one graph per variant (:class:`CompiledStep`).
+            Other callables are always compiled whole.
         strict: a requested fusion that matches nothing raises instead of warning.
         lint: run the graph lints (rope once, write once, backend ops).
         passes: rewrite passes to run (default all; ``()`` for none: lints only).
@@ -117,6 +124,8 @@ def compile(model_or_fn, *, backend: str = "mlagraph", strict: bool = False, lin
     def compiler(gm, example_inputs):
         return fn(gm, example_inputs, mode=mode, options=options)
 
+    if regional and supports_regions(model_or_fn):
+        return RegionalStep(model_or_fn, compiler, torch_compile_kwargs)
     return CompiledStep(model_or_fn, compiler, torch_compile_kwargs)
 
 
@@ -138,11 +147,13 @@ class CompiledStep:
         fn: the model or function it compiles.
         graphs: variant -> number of graphs dynamo compiled for it (1 each, when nothing
             recompiles).
+        compile_seconds: wall time of the calls that compiled a variant (each one run included).
     """
 
     def __init__(self, fn: Callable, compiler: Callable, torch_compile_kwargs: dict):
         self.fn = fn
         self.graphs: dict[Hashable, int] = {}
+        self.compile_seconds = 0.0
         self._compiler, self._kwargs = compiler, torch_compile_kwargs
         self._compiled: dict[Hashable, Callable] = {}
 
@@ -154,10 +165,15 @@ class CompiledStep:
     def __call__(self, *args, **kwargs):
         key = variant_of(args)
         compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self._compiled[key] = self._compile(key)
+        if compiled is not None:
+            with no_duck_shapes():
+                return compiled(*args, **kwargs)
+        start = time.perf_counter()
+        compiled = self._compiled[key] = self._compile(key)
         with no_duck_shapes():
-            return compiled(*args, **kwargs)
+            out = compiled(*args, **kwargs)
+        self.compile_seconds += time.perf_counter() - start
+        return out
 
     def _compile(self, key: Hashable) -> Callable:
         self.graphs[key] = 0

@@ -5,5 +5,5 @@ batch inputs and the model runner (compiled steps, CUDA graphs), generate / stre
 """
 
 from .block_manager import BlockManager  # noqa: F401
-from .engine import Engine, StepStats  # noqa: F401
+from .engine import Engine, Startup, StepStats  # noqa: F401
 from .request import GenerationOutput, Request, SamplingParams, StreamChunk  # noqa: F401

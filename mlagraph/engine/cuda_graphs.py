@@ -28,6 +28,7 @@ every replay ``Step.refresh`` re-plans them from the step's host metadata into t
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import torch
@@ -218,6 +219,11 @@ class StaticDecodeInputs:
         self._rows[i] = list(pages)
 
 
+def _compile_seconds(step_fn) -> float:
+    """Time a compiled step has spent compiling so far (0 for an uncompiled one)."""
+    return getattr(step_fn, "compile_seconds", 0.0)
+
+
 @dataclasses.dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -237,6 +243,10 @@ class DecodeGraphs:
         max_pages: block-table width (pages of the longest request).
         q_len: tokens per request (1; k + 1 for speculative verify steps). ``step_fn`` may
             return a tensor or a tuple of tensors, one row per token.
+
+    Attributes:
+        capture_seconds: wall time of the capture (warm-up runs included), compiling excluded.
+        compile_seconds: of that wall time, what compiling the step's graphs took.
     """
 
     desc = "capturing decode CUDA graphs"
@@ -252,8 +262,15 @@ class DecodeGraphs:
         # Largest bucket first: the memory pool it leaves serves the smaller ones.
         todo = [(b, m) for m in plans for b in reversed(self.buckets)]
         disable = None if progress is None else not progress  # None: a bar only on a terminal
-        for b, m in tqdm(todo, desc=self.desc, disable=disable):
-            self._capture(b, m, self.inputs.batch(b, m, plans[m]))
+        start, compiled = time.perf_counter(), _compile_seconds(step_fn)
+        with tqdm(total=len(todo), desc=self.desc, disable=disable) as bar:
+            for b, m in todo:
+                self._capture(b, m, self.inputs.batch(b, m, plans[m]))
+                bar.update(1)
+            # The first warm-up of each variant compiles its graphs: that time is compile time.
+            self.compile_seconds = _compile_seconds(step_fn) - compiled
+            self.capture_seconds = time.perf_counter() - start - self.compile_seconds
+            bar.set_postfix_str(f"capture {self.capture_seconds:.1f}s, compile {self.compile_seconds:.1f}s")
 
     @property
     def max_batch(self) -> int:

@@ -66,6 +66,17 @@ class StepStats:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Startup:
+    """Where an engine's start-up time went, in seconds: ``compile_s`` compiling graphs (with
+    CUDA graphs, the decode variants compile in the constructor; the first step of every other
+    variant adds its own), ``capture_s`` capturing CUDA graphs, warm-up runs included and the
+    compiling they caused excluded."""
+
+    compile_s: float
+    capture_s: float
+
+
 class Engine:
     """Runs a :class:`DeepseekForCausalLM` over a paged cache.
 
@@ -180,6 +191,12 @@ class Engine:
         engine has run (0 without compile). Each engine owns its graphs: no other engine or
         model in the process adds to them or recompiles them."""
         return sum(f.num_graphs for f in self.runner.compiled)
+
+    @property
+    def startup(self) -> Startup:
+        """Compile and capture time so far (:class:`Startup`)."""
+        r = self.runner
+        return Startup(compile_s=sum(f.compile_seconds for f in r.compiled), capture_s=r.capture_seconds)
 
     # --- the step API --------------------------------------------------------------------
 

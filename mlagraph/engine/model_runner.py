@@ -22,7 +22,7 @@ from .progress import CompileProgress
 from .request import Request
 
 # compile_options keys the Engine passes on to mlagraph.compile; the rest it sets itself
-COMPILE_OPTIONS = ("mode", "passes", "strict", "lint", "options")
+COMPILE_OPTIONS = ("mode", "passes", "strict", "lint", "options", "regional")
 
 
 class ModelRunner:
@@ -59,13 +59,18 @@ class ModelRunner:
             inductor_graphs = mode is not None and bool(torch._inductor.list_mode_options(mode).get("triton.cudagraphs"))
             # Prefill never runs in Inductor's graphs (one per prompt length would pile up).
             self.step_fn = mlagraph_compile(model, **kw, mode=None if inductor_graphs else mode)
-            decode_fn = mlagraph_compile(model, **kw, mode=mode) if inductor_graphs else self.step_fn
+            # Inductor's CUDA-graph trees record one graph per compiled function call: a
+            # regional step would replay 2L+2 of them per decode step, so that decode step is
+            # compiled whole (our own capture, below, records the regional step in one graph).
+            decode_fn = mlagraph_compile(model, **{**kw, "regional": False}, mode=mode) if inductor_graphs else self.step_fn
             self.min_reqs = 2
             self.compiled = [self.step_fn] + ([decode_fn] if inductor_graphs else [])
         self.decode_fn, self.inductor_graphs = decode_fn, inductor_graphs
         self.graphs = None  # DecodeGraphs | InductorDecodeGraphs
         if cuda_graphs:
             self.graphs = self._capture(decode_fn, inductor_graphs, cuda_graph_batch_sizes, progress)
+        # wall time of the capture, its warm-up runs included, the compiling they caused excluded
+        self.capture_seconds = 0.0 if self.graphs is None else self.graphs.capture_seconds
 
     @torch.no_grad()
     def run(self, plan: list[tuple[Request, list[int]]], *, all_logits: bool) -> torch.Tensor:

@@ -51,6 +51,11 @@ class KVCaches:
     def page_size(self) -> int:
         return self.latent[0].shape[1]
 
+    def of_layer(self, i: int) -> KVCaches:
+        """Layer i's caches alone, as a one-layer KVCaches (the same tensors, not copies)."""
+        index = None if self.index is None else [self.index[i]]
+        return KVCaches(self.layout, [self.latent[i]], self.scale, self.index_layout, index)
+
 
 class Indexer(nn.Module):
     """DSA lightning indexer: picks the index_topk keys each query attends to.

@@ -108,16 +108,33 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention then MLP, each a residual block. A regional compile (mlagraph/regional.py)
+    compiles the two blocks apart: ``attention_block`` once per (``attention_kind``, batch-plan
+    variant), ``mlp_block`` once per ``mlp_kind``, each graph shared by every layer of its kind."""
+
     def __init__(self, cfg: DeepseekConfig, layer: int, backend: backends.Backend, ps: ParallelState = SINGLE):
         super().__init__()
         self.layer = layer
         self.self_attn = MLAttention(cfg, backend, ps)
-        self.mlp = MoE(cfg, backend, ps) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size, ps)
+        moe = cfg.is_moe_layer(layer)
+        self.mlp = MoE(cfg, backend, ps) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, ps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Layers of one kind run the same code on parameters of the same shapes.
+        self.attention_kind = "dsa" if cfg.uses_dsa else "mla"
+        self.mlp_kind = "moe" if moe else "dense"
 
     def forward(self, h: torch.Tensor, batch: Batch, cos_sin: torch.Tensor, caches: KVCaches) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch, cos_sin, caches, self.layer)
+        """h [T,D] -> [T,D]; this layer's caches are ``caches.latent[self.layer]`` (and index)."""
+        return self.mlp_block(self.attention_block(h, batch, cos_sin, caches, self.layer))
+
+    def attention_block(self, h: torch.Tensor, batch: Batch, cos_sin: torch.Tensor, caches: KVCaches,
+                        index: int) -> torch.Tensor:
+        """h [T,D] -> h + attention [T,D], over the caches at ``index`` of ``caches``."""
+        return h + self.self_attn(self.input_layernorm(h), batch, cos_sin, caches, index)
+
+    def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T,D] -> h + MLP [T,D] (reads no batch metadata: one graph for every variant)."""
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -349,22 +366,46 @@ class DeepseekForCausalLM(nn.Module):
 
     def forward(self, batch: Batch, caches: KVCaches) -> torch.Tensor:
         """One step: batch.input_ids [T] -> float32 logits [N, V] at batch.logits_indices [N]."""
-        return self.logits(self.hidden_states(batch, caches))
+        return self.head(self.layers_out(batch, caches), batch.logits_indices)
+
+    # The step's parts, as a regional compile (mlagraph/regional.py) runs them one by one, and as
+    # speculative decoding (mlagraph/engine/speculative.py) reads them.
+
+    def layers_out(self, batch: Batch, caches: KVCaches) -> torch.Tensor:
+        """Hidden states [T, D] after the last decoder layer (before the final norm)."""
+        h = self.embed(batch.input_ids)
+        for layer in self.model.layers:
+            h = layer(h, batch, self.rope_cos_sin, caches)
+        return h
 
     def hidden_states(self, batch: Batch, caches: KVCaches) -> torch.Tensor:
         """One step's final hidden states, after the final norm, at batch.logits_indices: [N, D]."""
+        return self.model.norm(self.layers_out(batch, caches)[batch.logits_indices])
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> hidden states [T, D]."""
         if self.parallel.world == 1:
-            h = self.model.embed_tokens(batch.input_ids)  # [T, D]
-        else:  # this rank's rows of the vocabulary, summed over ranks
-            h = vocab_parallel_embedding(batch.input_ids, self.model.embed_tokens.weight, self.parallel)
-        for layer in self.model.layers:
-            h = layer(h, batch, self.rope_cos_sin, caches)
-        return self.model.norm(h[batch.logits_indices])
+            return self.model.embed_tokens(input_ids)
+        # this rank's rows of the vocabulary, summed over ranks
+        return vocab_parallel_embedding(input_ids, self.model.embed_tokens.weight, self.parallel)
+
+    def head(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """h [T, D], logits_indices [N] -> float32 logits [N, V]."""
+        return self.logits(self.model.norm(h[logits_indices]))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [N, D] -> float32 logits [N, V]."""
+        """Final hidden states [N, D] (normed) -> float32 logits [N, V]."""
         # tensor parallel: [N, V/world] per rank, gathered to [N, V] on every rank
         return all_gather_last(self.lm_head(h), self.parallel).float()
+
+    def attention_args(self, caches: KVCaches, i: int) -> tuple:
+        """Layer i's ``attention_block`` arguments after (h, batch): the RoPE table and its own
+        caches alone (a one-layer KVCaches at index 0), so every layer's call looks alike."""
+        return self.rope_cos_sin, caches.of_layer(i), 0
+
+    def mlp_args(self, batch: Batch) -> tuple:
+        """``mlp_block`` arguments after h: none (V4's hash layers take the token ids)."""
+        return ()
 
 
 _DTYPE_NAMES = {

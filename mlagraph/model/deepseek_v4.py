@@ -73,9 +73,14 @@ class V4MoE(nn.Module):
 
 
 class V4DecoderLayer(nn.Module):
+    """Attention then MoE, each inside hyper-connections. A regional compile compiles the two
+    blocks apart: ``attention_block`` per (``attention_kind``: the attention type, batch-plan
+    variant), ``mlp_block`` per ``mlp_kind`` (hash-routed or not)."""
+
     def __init__(self, cfg: DeepseekV4Config, layer: int, backend: backends.Backend):
         super().__init__()
         self.layer = layer
+        self.attention_kind, self.mlp_kind = cfg.layer_types[layer], cfg.mlp_layer_types[layer]
         self.compressed = cfg.layer_types[layer] != "sliding_attention"
         self.self_attn = V4Attention(cfg, layer, backend)
         self.mlp = V4MoE(cfg, layer, backend)
@@ -87,11 +92,19 @@ class V4DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: Batch, rope_tables: dict[str, torch.Tensor],
                 cache: V4LayerCache) -> torch.Tensor:
         """x [T, N, D] residual streams -> [T, N, D]."""
+        return self.mlp_block(self.attention_block(x, batch, rope_tables, cache), batch.input_ids)
+
+    def attention_block(self, x: torch.Tensor, batch: Batch, rope_tables: dict[str, torch.Tensor],
+                        cache: V4LayerCache) -> torch.Tensor:
+        """x [T, N, D] -> [T, N, D]: attention merged into the residual streams."""
         cos_sin = rope_tables["compress" if self.compressed else "main"]
         h, post, comb = self.attn_hc(x)
-        x = HyperConnection.merge(x, self.self_attn(self.input_layernorm(h), batch, cos_sin, cache), post, comb)
+        return HyperConnection.merge(x, self.self_attn(self.input_layernorm(h), batch, cos_sin, cache), post, comb)
+
+    def mlp_block(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, N, D], input_ids [T] (hash routing) -> [T, N, D]: the MoE merged in."""
         h, post, comb = self.ffn_hc(x)
-        return HyperConnection.merge(x, self.mlp(self.post_attention_layernorm(h), batch.input_ids), post, comb)
+        return HyperConnection.merge(x, self.mlp(self.post_attention_layernorm(h), input_ids), post, comb)
 
 
 class DeepseekV4Model(nn.Module):
@@ -218,13 +231,34 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def forward(self, batch: Batch, caches: list[V4LayerCache]) -> torch.Tensor:
         """One step: batch.input_ids [T] -> float32 logits [N, V] at batch.logits_indices [N]."""
-        h = self.model.embed_tokens(batch.input_ids)  # [T, D]
-        x = h[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()  # [T, N, D]
-        tables = {"main": self.rope_main, "compress": self.rope_compress}
+        x = self.embed(batch.input_ids)
+        tables = self.rope_tables()
         for layer, cache in zip(self.model.layers, caches):
             x = layer(x, batch, tables, cache)
-        h = self.model.norm(self.model.hc_head(x[batch.logits_indices]))  # [N, D]
+        return self.head(x, batch.logits_indices)
+
+    # The step's parts, as a regional compile (mlagraph/regional.py) runs them one by one.
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> residual streams [T, N, D] (N copies of the embedding)."""
+        h = self.model.embed_tokens(input_ids)  # [T, D]
+        return h[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
+
+    def head(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """x [T, N, D], logits_indices [K] -> float32 logits [K, V]."""
+        h = self.model.norm(self.model.hc_head(x[logits_indices]))  # [K, D]
         return self.lm_head(h).float()
+
+    def rope_tables(self) -> dict[str, torch.Tensor]:
+        return {"main": self.rope_main, "compress": self.rope_compress}
+
+    def attention_args(self, caches: list[V4LayerCache], i: int) -> tuple:
+        """Layer i's ``attention_block`` arguments after (x, batch)."""
+        return self.rope_tables(), caches[i]
+
+    def mlp_args(self, batch: Batch) -> tuple:
+        """``mlp_block`` arguments after x: the token ids (hash layers route by them)."""
+        return (batch.input_ids,)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,12 +11,14 @@ fusion that matches in no layer warns, and raises with ``strict=True``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
 import os
 import time
 import warnings
+from collections.abc import Iterator
 
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -55,6 +57,29 @@ class CompileReport:
 
 _REPORTS: list[CompileReport] = []
 _COUNTER = itertools.count()
+# Where a compile's report goes: the process list, or the innermost collecting() list.
+_SINKS: list[list[CompileReport]] = [_REPORTS]
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[list[CompileReport]]:
+    """Reports of the compiles inside go to the yielded list instead of the process list (a
+    regional step gathers its regions' reports into one per step, :func:`add_report`)."""
+    sink: list[CompileReport] = []
+    _SINKS.append(sink)
+    try:
+        yield sink
+    finally:
+        _SINKS.remove(sink)
+
+
+def add_report(report: CompileReport) -> None:
+    """Appends a report made outside a pass manager (a regional step's) to the process list."""
+    _REPORTS.append(report)
+
+
+def new_graph_name(backend: str) -> str:
+    return f"{backend}#{next(_COUNTER)}"
 
 
 def reports() -> list[PassRecord]:
@@ -101,7 +126,7 @@ class MLAPassManager(CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         start = time.perf_counter()
-        name = f"{self.backend.name}#{next(_COUNTER)}"
+        name = new_graph_name(self.backend.name)
         before = render(graph)
         records = []
         for pass_name in self.passes:
@@ -117,7 +142,7 @@ class MLAPassManager(CustomGraphPass):
             for lint in lints.LINTS.values():
                 lint(graph, self.backend)
         after = render(graph)
-        _REPORTS.append(CompileReport(name, self.backend.name, records, before, after, time.perf_counter() - start))
+        _SINKS[-1].append(CompileReport(name, self.backend.name, records, before, after, time.perf_counter() - start))
 
     def _requested(self, pass_name: str, graph: fx.Graph) -> bool:
         """A fusion is requested when the backend has it and the graph has the sequence's start

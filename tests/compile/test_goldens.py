@@ -28,8 +28,10 @@ def _model(kind: str, layers: int, backend: str = "reference") -> DeepseekForCau
     return DeepseekForCausalLM.from_config(cfg, init_std=0.2, backend=backend)
 
 
-def _graphs(model: DeepseekForCausalLM, kind: str) -> tuple[str, str]:
-    """(before, after) canonical text of the compiled step for one batch kind."""
+def _graphs(model: DeepseekForCausalLM, kind: str, regional: bool = True) -> tuple[str, str]:
+    """(before, after) canonical text of the compiled step for one batch kind: with regional
+    compilation, each region it ran once (``# attention (mla): layers 0-1`` heads the graph
+    every layer of that kind runs)."""
     caps, ps = model.backend.capabilities, 4
     caches = model.allocate_caches(32, ps)
     dsa = model.config.uses_dsa
@@ -43,7 +45,8 @@ def _graphs(model: DeepseekForCausalLM, kind: str) -> tuple[str, str]:
     else:
         batch = build_batch(caps, [[1], [6]], [5, 2], [[0, 1], [2]], ps, is_decode=[True, True], dsa=dsa)
     torch._dynamo.reset()
-    compiled = mlagraph.compile(model, backend="mlagraph_eager", fullgraph=True, dynamic=True, strict=True)
+    compiled = mlagraph.compile(model, backend="mlagraph_eager", fullgraph=True, dynamic=True, strict=True,
+                                regional=regional)
     compiled(batch, caches)
     report = mlagraph.passes.last_compile()
     return report.before, report.after
@@ -53,56 +56,111 @@ class TestGoldens(expecttest.TestCase):
     def test_mla_layer_prefill(self):
         before, after = _graphs(_model("v3", 1), "prefill")
         self.assertExpectedInline(before, """\
-inputs: 27 tensors
-# layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (mla): layer 0
+inputs: 14 tensors
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=True)
 v1 = aten.cat([_, v0.0], -1)
-mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16')
+mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16')
 v2 = aten.cat([_, v0.1~], -1)
-v3 = mlagraph.mha_prefill(q=v1, k=v2, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)""")
+v3 = mlagraph.mha_prefill(q=v1, k=v2, v=_, cu_seqlens_q=in12, cu_seqlens_k=in12, softmax_scale=0.264642, causal=True)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# head
+inputs: 4 tensors""")
         self.assertExpectedInline(after, """\
-inputs: 27 tensors
-# layer 0
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (mla): layer 0
+inputs: 14 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
 v1 = aten.cat([_, v0.1~], -1)
-v2 = mlagraph.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)""")
+v2 = mlagraph.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in12, cu_seqlens_k=in12, softmax_scale=0.264642, causal=True)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# head
+inputs: 4 tensors""")
 
     def test_mla_layer_chunked_prefill(self):
         before, after = _graphs(_model("v3", 1), "chunked")
         self.assertExpectedInline(before, """\
-inputs: 29 tensors
-# layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (mla): layer 0
+inputs: 16 tensors
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=True)
 v1 = aten.cat([_, v0.0], -1)
-mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16')
-v2 = mlagraph.latent_cache_read(kv_cache=in14', block_table=in16, cu_seq_lens=in17, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
+mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16')
+v2 = mlagraph.latent_cache_read(kv_cache=in10', block_table=in12, cu_seq_lens=in13, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
 v3 = aten.cat([_, v2.1~], -1)
-v4 = mlagraph.mha_prefill(q=v1, k=v3, v=_, cu_seqlens_q=in18, cu_seqlens_k=in17, softmax_scale=0.264642, causal=True)""")
+v4 = mlagraph.mha_prefill(q=v1, k=v3, v=_, cu_seqlens_q=in14, cu_seqlens_k=in13, softmax_scale=0.264642, causal=True)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# head
+inputs: 4 tensors""")
         self.assertExpectedInline(after, """\
-inputs: 29 tensors
-# layer 0
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.latent_cache_read(kv_cache=in14', block_table=in16, cu_seq_lens=in17, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
+# embed
+inputs: 2 tensors
+# attention (mla): layer 0
+inputs: 16 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.latent_cache_read(kv_cache=in10', block_table=in12, cu_seq_lens=in13, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
 v2 = aten.cat([_, v1.1~], -1)
-v3 = mlagraph.mha_prefill(q=v0.0, k=v2, v=_, cu_seqlens_q=in18, cu_seqlens_k=in17, softmax_scale=0.264642, causal=True)""")
+v3 = mlagraph.mha_prefill(q=v0.0, k=v2, v=_, cu_seqlens_q=in14, cu_seqlens_k=in13, softmax_scale=0.264642, causal=True)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# head
+inputs: 4 tensors""")
 
     def test_mla_layer_decode(self):
         before, after = _graphs(_model("v3", 1), "decode")
         self.assertExpectedInline(before, """\
-inputs: 28 tensors
-# layer 0
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (mla): layer 0
+inputs: 15 tensors
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=True)
 v1 = aten.cat([_, v0.0], -1)
-mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16')
-v2 = mlagraph.mla_decode(q_nope=v1~, q_pe=v1~, kv_cache=in14', block_table=in16, seq_lens=in17, scale=None, layout='bf16', softmax_scale=0.264642)""")
+mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16')
+v2 = mlagraph.mla_decode(q_nope=v1~, q_pe=v1~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.264642)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# head
+inputs: 4 tensors""")
         self.assertExpectedInline(after, """\
-inputs: 28 tensors
-# layer 0
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in14', block_table=in16, seq_lens=in17, scale=None, layout='bf16', softmax_scale=0.264642)""")
+# embed
+inputs: 2 tensors
+# attention (mla): layer 0
+inputs: 15 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.264642)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# head
+inputs: 4 tensors""")
 
     def test_v3_two_layers_prefill_after(self):
         _, after = _graphs(_model("v3", 2), "prefill")
+        self.assertExpectedInline(after, """\
+# embed
+inputs: 2 tensors
+# attention (mla): layers 0-1
+inputs: 14 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+v1 = aten.cat([_, v0.1~], -1)
+v2 = mlagraph.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in12, cu_seqlens_k=in12, softmax_scale=0.264642, causal=True)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# mlp (moe): layer 1
+inputs: 9 tensors
+v0 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+# head
+inputs: 4 tensors""")
+
+    def test_v3_two_layers_prefill_whole_model(self):
+        # regional=False: one graph holding both layers (each under its ``# layer N``)
+        _, after = _graphs(_model("v3", 2), "prefill", regional=False)
         self.assertExpectedInline(after, """\
 inputs: 48 tensors
 # layer 0
@@ -118,58 +176,63 @@ v6 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in38, down_proj=in39, 
     def test_v3_two_layers_decode_after(self):
         _, after = _graphs(_model("v3", 2), "decode")
         self.assertExpectedInline(after, """\
-inputs: 49 tensors
-# layer 0
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in14', block_table=in16, seq_lens=in17, scale=None, layout='bf16', softmax_scale=0.264642)
-# layer 1
-v2 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in34!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v3 = mlagraph.mla_decode(q_nope=_, q_pe=v2.0~, kv_cache=in34', block_table=in16, seq_lens=in17, scale=None, layout='bf16', softmax_scale=0.264642)
-v4 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in39, down_proj=in40, e_score_correction_bias=in41, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)""")
+# embed
+inputs: 2 tensors
+# attention (mla): layers 0-1
+inputs: 15 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.264642)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# mlp (moe): layer 1
+inputs: 9 tensors
+v0 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+# head
+inputs: 4 tensors""")
 
     def test_v32_two_layers_prefill_after(self):
         _, after = _graphs(_model("v32", 2), "prefill")
         self.assertExpectedInline(after, """\
-inputs: 63 tensors
-# layer 0
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
+# embed
+inputs: 2 tensors
+# attention (dsa): layers 0-1
+inputs: 21 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=False)
 v2 = aten.cat([v1.0, _], -1)
 v3 = aten.cat([v1.1~, _], -1)
-mlagraph.indexer_cache_write(k=v3, k_cache=in20!, slot_mapping=in15, layout='bf16')
-v4 = mlagraph.indexer_topk(q=v2, weights=_, k_cache=in20', req_ids=in23, positions=in13, block_table=in24, layout='bf16', topk=12)
-v5 = mlagraph.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in14', topk_indices=v4, req_ids=in23, block_table=in24, scale=None, layout='bf16', softmax_scale=0.264642)
-# layer 1
-v6 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in41!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v7 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
-v8 = aten.cat([v7.0, _], -1)
-v9 = aten.cat([v7.1~, _], -1)
-mlagraph.indexer_cache_write(k=v9, k_cache=in46!, slot_mapping=in15, layout='bf16')
-v10 = mlagraph.indexer_topk(q=v8, weights=_, k_cache=in46', req_ids=in23, positions=in13, block_table=in24, layout='bf16', topk=12)
-v11 = mlagraph.sparse_mla(q_nope=_, q_pe=v6.0, kv_cache=in41', topk_indices=v10, req_ids=in23, block_table=in24, scale=None, layout='bf16', softmax_scale=0.264642)
-v12 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in53, down_proj=in54, e_score_correction_bias=in55, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)""")
+mlagraph.indexer_cache_write(k=v3, k_cache=in16!, slot_mapping=in11, layout='bf16')
+v4 = mlagraph.indexer_topk(q=v2, weights=_, k_cache=in16', req_ids=in18, positions=in8, block_table=in19, layout='bf16', topk=12)
+v5 = mlagraph.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in10', topk_indices=v4, req_ids=in18, block_table=in19, scale=None, layout='bf16', softmax_scale=0.264642)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# mlp (moe): layer 1
+inputs: 9 tensors
+v0 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+# head
+inputs: 4 tensors""")
 
     def test_v32_two_layers_decode_after(self):
         _, after = _graphs(_model("v32", 2), "decode")
         self.assertExpectedInline(after, """\
-inputs: 63 tensors
-# layer 0
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
+# embed
+inputs: 2 tensors
+# attention (dsa): layers 0-1
+inputs: 21 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=False)
 v2 = aten.cat([v1.0, _], -1)
 v3 = aten.cat([v1.1~, _], -1)
-mlagraph.indexer_cache_write(k=v3, k_cache=in20!, slot_mapping=in15, layout='bf16')
-v4 = mlagraph.indexer_topk(q=v2, weights=_, k_cache=in20', req_ids=in23, positions=in13, block_table=in24, layout='bf16', topk=12)
-v5 = mlagraph.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in14', topk_indices=v4, req_ids=in23, block_table=in24, scale=None, layout='bf16', softmax_scale=0.264642)
-# layer 1
-v6 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in41!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v7 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
-v8 = aten.cat([v7.0, _], -1)
-v9 = aten.cat([v7.1~, _], -1)
-mlagraph.indexer_cache_write(k=v9, k_cache=in46!, slot_mapping=in15, layout='bf16')
-v10 = mlagraph.indexer_topk(q=v8, weights=_, k_cache=in46', req_ids=in23, positions=in13, block_table=in24, layout='bf16', topk=12)
-v11 = mlagraph.sparse_mla(q_nope=_, q_pe=v6.0, kv_cache=in41', topk_indices=v10, req_ids=in23, block_table=in24, scale=None, layout='bf16', softmax_scale=0.264642)
-v12 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in53, down_proj=in54, e_score_correction_bias=in55, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)""")
+mlagraph.indexer_cache_write(k=v3, k_cache=in16!, slot_mapping=in11, layout='bf16')
+v4 = mlagraph.indexer_topk(q=v2, weights=_, k_cache=in16', req_ids=in18, positions=in8, block_table=in19, layout='bf16', topk=12)
+v5 = mlagraph.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in10', topk_indices=v4, req_ids=in18, block_table=in19, scale=None, layout='bf16', softmax_scale=0.264642)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# mlp (moe): layer 1
+inputs: 9 tensors
+v0 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+# head
+inputs: 4 tensors""")
 
     def test_v32_two_layers_dense_prefill_after(self):
         """The dense DSA variant: no indexer scoring or top-k, but the indexer keys are written."""
@@ -177,63 +240,88 @@ v12 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in53, down_proj=in54,
         self.assertNotIn("indexer_topk", after)
         self.assertIn("indexer_cache_write", after)
         self.assertExpectedInline(after, """\
-inputs: 56 tensors
-# layer 0
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
+# embed
+inputs: 2 tensors
+# attention (dsa): layers 0-1
+inputs: 18 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=False)
 v2 = aten.cat([v1.1~, _], -1)
-mlagraph.indexer_cache_write(k=v2, k_cache=in19!, slot_mapping=in15, layout='bf16')
+mlagraph.indexer_cache_write(k=v2, k_cache=in15!, slot_mapping=in11, layout='bf16')
 v3 = aten.cat([_, v0.1~], -1)
-v4 = mlagraph.mha_prefill(q=v0.0, k=v3, v=_, cu_seqlens_q=in20, cu_seqlens_k=in20, softmax_scale=0.264642, causal=True)
-# layer 1
-v5 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in37!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v6 = mlagraph.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
-v7 = aten.cat([v6.1~, _], -1)
-mlagraph.indexer_cache_write(k=v7, k_cache=in41!, slot_mapping=in15, layout='bf16')
-v8 = aten.cat([_, v5.1~], -1)
-v9 = mlagraph.mha_prefill(q=v5.0, k=v8, v=_, cu_seqlens_q=in20, cu_seqlens_k=in20, softmax_scale=0.264642, causal=True)
-v10 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in46, down_proj=in47, e_score_correction_bias=in48, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)""")
+v4 = mlagraph.mha_prefill(q=v0.0, k=v3, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# mlp (moe): layer 1
+inputs: 9 tensors
+v0 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+# head
+inputs: 4 tensors""")
 
     # The triton backend: the same rewrites, into its own ops (its fused op returns K too).
     def test_triton_layer_prefill_after(self):
         _, after = _graphs(_model("v3", 1, "triton"), "prefill")
         self.assertExpectedInline(after, """\
-inputs: 27 tensors
-# layer 0
-v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (mla): layer 0
+inputs: 14 tensors
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
 v1 = aten.cat([_, v0.1~], -1)
-v2 = mlagraph_triton.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)""")
+v2 = mlagraph_triton.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in12, cu_seqlens_k=in12, softmax_scale=0.264642, causal=True)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# head
+inputs: 4 tensors""")
 
     def test_triton_layer_chunked_prefill_after(self):
         _, after = _graphs(_model("v3", 1, "triton"), "chunked")
         self.assertExpectedInline(after, """\
-inputs: 29 tensors
-# layer 0
-v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph_triton.latent_cache_read(kv_cache=in14', block_table=in16, cu_seq_lens=in17, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
+# embed
+inputs: 2 tensors
+# attention (mla): layer 0
+inputs: 16 tensors
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_triton.latent_cache_read(kv_cache=in10', block_table=in12, cu_seq_lens=in13, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
 v2 = aten.cat([_, v1.1~], -1)
-v3 = mlagraph_triton.mha_prefill(q=v0.0, k=v2, v=_, cu_seqlens_q=in18, cu_seqlens_k=in17, softmax_scale=0.264642, causal=True)""")
+v3 = mlagraph_triton.mha_prefill(q=v0.0, k=v2, v=_, cu_seqlens_q=in14, cu_seqlens_k=in13, softmax_scale=0.264642, causal=True)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# head
+inputs: 4 tensors""")
 
     def test_triton_layer_decode_after(self):
         _, after = _graphs(_model("v3", 1, "triton"), "decode")
         self.assertExpectedInline(after, """\
-inputs: 28 tensors
-# layer 0
-v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph_triton.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in14', block_table=in16, seq_lens=in17, scale=None, layout='bf16', softmax_scale=0.264642)""")
+# embed
+inputs: 2 tensors
+# attention (mla): layer 0
+inputs: 15 tensors
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_triton.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.264642)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# head
+inputs: 4 tensors""")
 
     def test_triton_v32_decode_after(self):
         _, after = _graphs(_model("v32", 1, "triton"), "decode")
         self.assertExpectedInline(after, """\
-inputs: 35 tensors
-# layer 0
-v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=False)
+# embed
+inputs: 2 tensors
+# attention (dsa): layer 0
+inputs: 21 tensors
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=False)
 v2 = aten.cat([v1.0, _], -1)
 v3 = aten.cat([v1.1~, _], -1)
-mlagraph_triton.indexer_cache_write(k=v3, k_cache=in20!, slot_mapping=in15, layout='bf16')
-v4 = mlagraph_triton.indexer_topk(q=v2, weights=_, k_cache=in20', req_ids=in23, positions=in13, block_table=in24, layout='bf16', topk=12)
-v5 = mlagraph_triton.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in14', topk_indices=v4, req_ids=in23, block_table=in24, scale=None, layout='bf16', softmax_scale=0.264642)""")
+mlagraph_triton.indexer_cache_write(k=v3, k_cache=in16!, slot_mapping=in11, layout='bf16')
+v4 = mlagraph_triton.indexer_topk(q=v2, weights=_, k_cache=in16', req_ids=in18, positions=in8, block_table=in19, layout='bf16', topk=12)
+v5 = mlagraph_triton.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in10', topk_indices=v4, req_ids=in18, block_table=in19, scale=None, layout='bf16', softmax_scale=0.264642)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# head
+inputs: 4 tensors""")
 
     # The aiter backend: aiter's fused op returns no K (fused_returns_k=False), so MHA prefill,
     # which builds its keys from the rotated K, stays unfused (RoPE once, by mlagraph.rope);
@@ -243,28 +331,46 @@ v5 = mlagraph_triton.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in14', topk_indice
     def test_aiter_layer_prefill_after(self):
         _, after = _graphs(_model("v3", 1, "aiter"), "prefill")
         self.assertExpectedInline(after, """\
-inputs: 27 tensors
-# layer 0
-v0 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in13, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (mla): layer 0
+inputs: 14 tensors
+v0 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=True)
 v1 = aten.cat([_, v0.0], -1)
-mlagraph_triton.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16')
+mlagraph_triton.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16')
 v2 = aten.cat([_, v0.1~], -1)
-v3 = mlagraph_triton.mha_prefill(q=v1, k=v2, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)""")
+v3 = mlagraph_triton.mha_prefill(q=v1, k=v2, v=_, cu_seqlens_q=in12, cu_seqlens_k=in12, softmax_scale=0.264642, causal=True)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# head
+inputs: 4 tensors""")
 
     def test_aiter_layer_chunked_prefill_after(self):
         _, after = _graphs(_model("v3", 1, "aiter"), "chunked")
         self.assertExpectedInline(after, """\
-inputs: 29 tensors
-# layer 0
-v0 = mlagraph_aiter.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph_triton.latent_cache_read(kv_cache=in14', block_table=in16, cu_seq_lens=in17, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
+# embed
+inputs: 2 tensors
+# attention (mla): layer 0
+inputs: 16 tensors
+v0 = mlagraph_aiter.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_triton.latent_cache_read(kv_cache=in10', block_table=in12, cu_seq_lens=in13, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
 v2 = aten.cat([_, v1.1~], -1)
-v3 = mlagraph_triton.mha_prefill(q=v0.0, k=v2, v=_, cu_seqlens_q=in18, cu_seqlens_k=in17, softmax_scale=0.264642, causal=True)""")
+v3 = mlagraph_triton.mha_prefill(q=v0.0, k=v2, v=_, cu_seqlens_q=in14, cu_seqlens_k=in13, softmax_scale=0.264642, causal=True)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# head
+inputs: 4 tensors""")
 
     def test_aiter_layer_decode_after(self):
         _, after = _graphs(_model("v3", 1, "aiter"), "decode")
         self.assertExpectedInline(after, """\
-inputs: 28 tensors
-# layer 0
-v0 = mlagraph_aiter.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph_aiter.mla_decode(q_nope=v0.0~, q_pe=v0.0~, kv_cache=in14', block_table=in16, seq_lens=in17, scale=None, layout='bf16', softmax_scale=0.264642)""")
+# embed
+inputs: 2 tensors
+# attention (mla): layer 0
+inputs: 15 tensors
+v0 = mlagraph_aiter.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_aiter.mla_decode(q_nope=v0.0~, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.264642)
+# mlp (dense): layer 0
+inputs: 5 tensors
+# head
+inputs: 4 tensors""")

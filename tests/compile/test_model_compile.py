@@ -89,6 +89,8 @@ def test_no_recompiles_across_batch_sizes_and_prompt_lengths():
         run([[3] * rnd.randint(1, 20) for _ in range(b)], [rnd.randint(1, 150) for _ in range(b)], [False] * b)
     graphs = manager._REPORTS[before:]
     assert len(graphs) == 3, [g.graph for g in graphs]
+    # regional: each region (embed, head, the MoE, attention per variant) compiled once, never again
+    assert set(compiled.graphs.values()) == {1} and compiled.num_graphs == 3 + 3, compiled.graphs
 
 
 @pytest.mark.parametrize("kind", ["v3", "v32"])
@@ -192,3 +194,4 @@ def test_dsa_variants_do_not_recompile_across_sizes():
             run(lens, decode)
     graphs = manager._REPORTS[before:]
     assert len(variants) == 6 and len(graphs) == 6, (sorted(str(v) for v in variants), [g.graph for g in graphs])
+    assert set(compiled.graphs.values()) == {1}, compiled.graphs  # no region recompiled

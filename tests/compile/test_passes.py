@@ -152,7 +152,9 @@ def compiled_vs_eager(m: DeepseekForCausalLM, kind: str) -> Run:
     """Runs one batch eagerly and compiled (mlagraph_eager, strict: lints on) from equal caches.
 
     Static shapes (3x quicker to compile); test_reports_accumulate_newest_last compiles with
-    dynamic=True and expects the same records.
+    dynamic=True and expects the same records. The whole-model step (``regional=False``): one
+    graph holding every layer's ops, which the per-layer counts of these tests read; the
+    regional step's graphs (each layer kind once) are checked in test_regional.py and the goldens.
     """
     setup, batch = scenario(m, kind)
     caches = m.allocate_caches(8, PAGE)
@@ -173,7 +175,8 @@ def compiled_vs_eager(m: DeepseekForCausalLM, kind: str) -> Run:
     torch._dynamo.reset()
     prev = passes.last_compile()
     with mock.patch.dict(lints.LINTS, spied):
-        cm = mlagraph.compile(m, backend="mlagraph_eager", fullgraph=True, dynamic=False, strict=True)
+        cm = mlagraph.compile(m, backend="mlagraph_eager", fullgraph=True, dynamic=False, strict=True,
+                              regional=False)
         out = cm(batch, compiled_caches)
     report = passes.last_compile()
     assert report is not prev, "the pass manager did not run"

@@ -47,12 +47,18 @@ class TestTensorParallelGolden(expecttest.TestCase):
             spawn_ranks(_worker, 2, out, timeout=300)
             after = open(out).read()
         self.assertExpectedInline(after, """\
-inputs: 28 tensors
+# embed
+inputs: 2 tensors
 v0 = _c10d_functional.all_reduce(input=_, reduce_op='sum', group_name='0')
-# layer 0
-v1 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
-v2 = mlagraph.mla_decode(q_nope=_, q_pe=v1.0~, kv_cache=in14', block_table=in16, seq_lens=in17, scale=None, layout='bf16', softmax_scale=0.264642)
-v3 = _c10d_functional.all_reduce(input=_, reduce_op='sum', group_name='0')
-v4 = _c10d_functional.all_reduce(input=_, reduce_op='sum', group_name='0')
-v5 = _c10d_functional.all_gather_into_tensor(input=_, group_size=2, group_name='0')
-v6 = aten.cat([v5~, v5~], 1)""")
+# attention (mla): layer 0
+inputs: 15 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.264642)
+v2 = _c10d_functional.all_reduce(input=_, reduce_op='sum', group_name='0')
+# mlp (dense): layer 0
+inputs: 5 tensors
+v0 = _c10d_functional.all_reduce(input=_, reduce_op='sum', group_name='0')
+# head
+inputs: 4 tensors
+v0 = _c10d_functional.all_gather_into_tensor(input=_, group_size=2, group_name='0')
+v1 = aten.cat([v0~, v0~], 1)""")

@@ -55,90 +55,132 @@ def _graph(model: DeepseekForCausalLM, kind: str) -> str:
 class TestV4Goldens(expecttest.TestCase):
     def test_sliding_prefill(self):
         self.assertExpectedInline(_graph(_model("sliding_attention"), "prefill"), """\
-inputs: 49 tensors
-# layer 0
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in18, cos_sin_cache=in2, kv_cache=in19!, slot_mapping=in20, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.swa_attention(q=v0.0, kv_cache=in19', sinks=in21, positions=in18, req_ids=in22, block_table=in23, window=6, softmax_scale=0.25)
-v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (sliding_attention): layer 0
+inputs: 19 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in11, cos_sin_cache=in10, kv_cache=in12!, slot_mapping=in13, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.swa_attention(q=v0.0, kv_cache=in12', sinks=in14, positions=in11, req_ids=in15, block_table=in16, window=6, softmax_scale=0.25)
+v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v3 = aten.cat([v1.0~, _], -1)
-v4 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in35, down_proj=in36, e_score_correction_bias=in34, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+# mlp (moe): layer 0
+inputs: 12 tensors
+v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
+# head
+inputs: 7 tensors""")
 
     def test_sliding_decode(self):
         self.assertExpectedInline(_graph(_model("sliding_attention"), "decode"), """\
-inputs: 49 tensors
-# layer 0
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in18, cos_sin_cache=in2, kv_cache=in19!, slot_mapping=in20, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.swa_decode(q=v0.0~, kv_cache=in19', sinks=in22, block_table=in21, seq_lens=in23, window=6, softmax_scale=0.25)
-v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (sliding_attention): layer 0
+inputs: 19 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in11, cos_sin_cache=in10, kv_cache=in12!, slot_mapping=in13, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.swa_decode(q=v0.0~, kv_cache=in12', sinks=in15, block_table=in14, seq_lens=in16, window=6, softmax_scale=0.25)
+v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v3 = aten.cat([v1.0~, _], -1)
-v4 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in35, down_proj=in36, e_score_correction_bias=in34, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+# mlp (moe): layer 0
+inputs: 12 tensors
+v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
+# head
+inputs: 7 tensors""")
 
     def test_hca_prefill(self):
         self.assertExpectedInline(_graph(_model("heavily_compressed_attention"), "prefill"), """\
-inputs: 55 tensors
-# layer 0
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in18, cos_sin_cache=in2, kv_cache=in19!, slot_mapping=in20, scale=None, layout='bf16', interleaved=True)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=4, overlap=False, eps=1e-06)
-v1 = mlagraph.hca_attention(q=v0.0, kv_cache=in19', compressed_cache=in28', sinks=in29, positions=in18, req_ids=in25, block_table=in26, window=6, compress_rate=4, softmax_scale=0.25)
-v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (heavily_compressed_attention): layer 0
+inputs: 25 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in11, cos_sin_cache=in10, kv_cache=in12!, slot_mapping=in13, scale=None, layout='bf16', interleaved=True)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in16, norm_weight=in17, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in20!, compressed_cache=in21!, compress_rate=4, overlap=False, eps=1e-06)
+v1 = mlagraph.hca_attention(q=v0.0, kv_cache=in12', compressed_cache=in21', sinks=in22, positions=in11, req_ids=in18, block_table=in19, window=6, compress_rate=4, softmax_scale=0.25)
+v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v3 = aten.cat([v1.0~, _], -1)
-v4 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in41, down_proj=in42, e_score_correction_bias=in40, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+# mlp (moe): layer 0
+inputs: 12 tensors
+v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
+# head
+inputs: 7 tensors""")
 
     def test_csa_prefill(self):
         self.assertExpectedInline(_graph(_model("compressed_sparse_attention"), "prefill"), """\
-inputs: 63 tensors
-# layer 0
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in18, cos_sin_cache=in2, kv_cache=in19!, slot_mapping=in20, scale=None, layout='bf16', interleaved=True)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=2, overlap=True, eps=1e-06)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in31, norm_weight=in32, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in33!, compressed_cache=in34!, compress_rate=2, overlap=True, eps=1e-06)
-v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (compressed_sparse_attention): layer 0
+inputs: 33 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in11, cos_sin_cache=in10, kv_cache=in12!, slot_mapping=in13, scale=None, layout='bf16', interleaved=True)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in16, norm_weight=in17, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in20!, compressed_cache=in21!, compress_rate=2, overlap=True, eps=1e-06)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in24, norm_weight=in25, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in26!, compressed_cache=in27!, compress_rate=2, overlap=True, eps=1e-06)
+v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v2 = aten.cat([_, v1.0], -1)
-v3 = mlagraph.csa_indexer_topk(q=v2, weights=_, index_cache=in34', positions=in18, req_ids=in25, block_table=in26, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
-v4 = mlagraph.csa_attention(q=v0.0, kv_cache=in19', compressed_cache=in28', topk_indices=v3, sinks=in37, positions=in18, req_ids=in25, block_table=in26, window=6, compress_rate=2, softmax_scale=0.25)
-v5 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v3 = mlagraph.csa_indexer_topk(q=v2, weights=_, index_cache=in27', positions=in11, req_ids=in18, block_table=in19, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
+v4 = mlagraph.csa_attention(q=v0.0, kv_cache=in12', compressed_cache=in21', topk_indices=v3, sinks=in30, positions=in11, req_ids=in18, block_table=in19, window=6, compress_rate=2, softmax_scale=0.25)
+v5 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v6 = aten.cat([v4.0~, _], -1)
-v7 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in49, down_proj=in50, e_score_correction_bias=in48, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+# mlp (moe): layer 0
+inputs: 12 tensors
+v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
+# head
+inputs: 7 tensors""")
 
     def test_csa_dense_prefill_has_no_indexer_scoring(self):
         self.assertExpectedInline(_graph(_model("compressed_sparse_attention"), "dense_prefill"), """\
-inputs: 61 tensors
-# layer 0
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in18, cos_sin_cache=in2, kv_cache=in19!, slot_mapping=in20, scale=None, layout='bf16', interleaved=True)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=2, overlap=True, eps=1e-06)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in31, norm_weight=in32, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in33!, compressed_cache=in34!, compress_rate=2, overlap=True, eps=1e-06)
-v1 = mlagraph.hca_attention(q=v0.0, kv_cache=in19', compressed_cache=in28', sinks=in35, positions=in18, req_ids=in25, block_table=in26, window=6, compress_rate=2, softmax_scale=0.25)
-v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (compressed_sparse_attention): layer 0
+inputs: 31 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in11, cos_sin_cache=in10, kv_cache=in12!, slot_mapping=in13, scale=None, layout='bf16', interleaved=True)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in16, norm_weight=in17, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in20!, compressed_cache=in21!, compress_rate=2, overlap=True, eps=1e-06)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in24, norm_weight=in25, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in26!, compressed_cache=in27!, compress_rate=2, overlap=True, eps=1e-06)
+v1 = mlagraph.hca_attention(q=v0.0, kv_cache=in12', compressed_cache=in21', sinks=in28, positions=in11, req_ids=in18, block_table=in19, window=6, compress_rate=2, softmax_scale=0.25)
+v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v3 = aten.cat([v1.0~, _], -1)
-v4 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in47, down_proj=in48, e_score_correction_bias=in46, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+# mlp (moe): layer 0
+inputs: 12 tensors
+v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
+# head
+inputs: 7 tensors""")
 
     def test_csa_decode(self):
         self.assertExpectedInline(_graph(_model("compressed_sparse_attention"), "decode"), """\
-inputs: 64 tensors
-# layer 0
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in18, cos_sin_cache=in2, kv_cache=in19!, slot_mapping=in20, scale=None, layout='bf16', interleaved=True)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=2, overlap=True, eps=1e-06)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in31, norm_weight=in32, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in33!, compressed_cache=in34!, compress_rate=2, overlap=True, eps=1e-06)
-v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (compressed_sparse_attention): layer 0
+inputs: 34 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in11, cos_sin_cache=in10, kv_cache=in12!, slot_mapping=in13, scale=None, layout='bf16', interleaved=True)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in16, norm_weight=in17, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in20!, compressed_cache=in21!, compress_rate=2, overlap=True, eps=1e-06)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in24, norm_weight=in25, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in26!, compressed_cache=in27!, compress_rate=2, overlap=True, eps=1e-06)
+v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v2 = aten.cat([_, v1.0], -1)
-v3 = mlagraph.csa_indexer_topk(q=v2, weights=_, index_cache=in34', positions=in18, req_ids=in25, block_table=in26, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
-v4 = mlagraph.csa_decode(q=v0.0~, kv_cache=in19', compressed_cache=in28', topk_indices=v3~, sinks=in37, block_table=in26, seq_lens=in38, window=6, compress_rate=2, softmax_scale=0.25)
-v5 = mlagraph.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v3 = mlagraph.csa_indexer_topk(q=v2, weights=_, index_cache=in27', positions=in11, req_ids=in18, block_table=in19, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
+v4 = mlagraph.csa_decode(q=v0.0~, kv_cache=in12', compressed_cache=in21', topk_indices=v3~, sinks=in30, block_table=in19, seq_lens=in31, window=6, compress_rate=2, softmax_scale=0.25)
+v5 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v6 = aten.cat([v4.0~, _], -1)
-v7 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in50, down_proj=in51, e_score_correction_bias=in49, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+# mlp (moe): layer 0
+inputs: 12 tensors
+v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
+# head
+inputs: 7 tensors""")
 
     # The triton backend: its fused kernel takes the front, its kernel the decode attention; the
     # compressors and the indexer are the reference ops (declared fallbacks).
     def test_triton_csa_decode(self):
         self.assertExpectedInline(_graph(_model("compressed_sparse_attention", "triton"), "decode"), """\
-inputs: 64 tensors
-# layer 0
-v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in18, cos_sin_cache=in2, kv_cache=in19!, slot_mapping=in20, scale=None, layout='bf16', interleaved=True)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in23, norm_weight=in24, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in27!, compressed_cache=in28!, compress_rate=2, overlap=True, eps=1e-06)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in31, norm_weight=in32, cos_sin_cache=in2, positions=in18, req_ids=in25, slot_mapping=in20, block_table=in26, state_cache=in33!, compressed_cache=in34!, compress_rate=2, overlap=True, eps=1e-06)
-v1 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+# embed
+inputs: 2 tensors
+# attention (compressed_sparse_attention): layer 0
+inputs: 34 tensors
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in11, cos_sin_cache=in10, kv_cache=in12!, slot_mapping=in13, scale=None, layout='bf16', interleaved=True)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in16, norm_weight=in17, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in20!, compressed_cache=in21!, compress_rate=2, overlap=True, eps=1e-06)
+mlagraph.compressor_update(kv=_, gate=_, position_bias=in24, norm_weight=in25, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in26!, compressed_cache=in27!, compress_rate=2, overlap=True, eps=1e-06)
+v1 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v2 = aten.cat([_, v1.0], -1)
-v3 = mlagraph.csa_indexer_topk(q=v2, weights=_, index_cache=in34', positions=in18, req_ids=in25, block_table=in26, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
-v4 = mlagraph_triton.csa_decode(q=v0.0~, kv_cache=in19', compressed_cache=in28', topk_indices=v3~, sinks=in37, block_table=in26, seq_lens=in38, window=6, compress_rate=2, softmax_scale=0.25)
-v5 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in18, cos_sin_cache=in2, interleaved=True)
+v3 = mlagraph.csa_indexer_topk(q=v2, weights=_, index_cache=in27', positions=in11, req_ids=in18, block_table=in19, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
+v4 = mlagraph_triton.csa_decode(q=v0.0~, kv_cache=in12', compressed_cache=in21', topk_indices=v3~, sinks=in30, block_table=in19, seq_lens=in31, window=6, compress_rate=2, softmax_scale=0.25)
+v5 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v6 = aten.cat([v4.0~, _], -1)
-v7 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in50, down_proj=in51, e_score_correction_bias=in49, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)""")
+# mlp (moe): layer 0
+inputs: 12 tensors
+v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
+# head
+inputs: 7 tensors""")
