@@ -108,9 +108,10 @@ class Engine:
             the config's ``dsa_dense_max_kv_len`` when it has one). Larger
             values approximate DSA; 0 forces sparse.
         compile_options: more keyword arguments for :func:`mlagraph.compile` (``mode``,
-            ``passes``, ``strict``, ``lint``, ``options``). A mode that makes Inductor capture
-            CUDA graphs ("reduce-overhead", "max-autotune") applies to decode steps only;
-            prefill runs a separately compiled step without graphs.
+            ``passes``, ``strict``, ``lint``, ``options``, ``regional``: False compiles the
+            whole step per variant instead of each kind of layer block once). A mode that makes
+            Inductor capture CUDA graphs ("reduce-overhead", "max-autotune") applies to decode
+            steps only (compiled whole); prefill runs a separately compiled step without graphs.
         cuda_graph_batch_sizes: the buckets (default: powers of two up to max_num_seqs, and
             max_num_seqs). With compile=True sizes below 2 run in the 2 bucket.
         progress: progress messages while compiling and capturing (None: only on a terminal).

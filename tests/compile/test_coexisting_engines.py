@@ -1,4 +1,5 @@
-"""Compiled engines coexist in one process: each owns its graphs, one per batch-plan variant.
+"""Compiled engines coexist in one process: each owns its graphs (one per region, see
+mlagraph/regional.py; the attention's per batch-plan variant).
 
 Dynamo keeps its cache and its recompile limit (8) per code object. Before each compiled step
 had a code object of its own, every model instance shared ``DeepseekForCausalLM.forward``'s,
@@ -78,8 +79,9 @@ def test_many_compiled_engines_in_one_process(device, compile_backend):
         outs = engine.generate(_prompts(i), max_new_tokens=3, ignore_eos=True)
         assert all(len(o.token_ids) == 3 for o in outs), name
         (step,) = engine.runner.compiled
-        # prefill + decode at least; V3.2 dense and sparse; never a second graph of a variant
-        assert len(step.graphs) >= 2, (name, step.graphs)
+        # regions (embed, head, MLPs, attention per variant: prefill + decode at least; V3.2
+        # dense and sparse); never a second graph of one
+        assert len(step.graphs) >= 6, (name, step.graphs)
         assert set(step.graphs.values()) == {1}, (name, step.graphs)
         assert engine.compiled_graphs == len(step.graphs)
         if i == 0:
@@ -93,7 +95,7 @@ def test_many_compiled_engines_in_one_process(device, compile_backend):
     assert first.runner.compiled[0].graphs == before
     v32 = next(e for e, spec in zip(engines, ENGINES) if spec[0] == "v32-reference")
     # its prompts straddle index_topk: prefill and decode both ran the DSA split method
-    kinds = {(variant[0].kind.value, variant[1].value) for variant in v32.runner.compiled[0].graphs}
+    kinds = {(variant[0].kind.value, variant[1].value) for variant in v32.runner.compiled[0].variants}
     assert kinds == {("prefill", "dsa_split"), ("decode", "dsa_split")}, kinds
 
 
@@ -113,5 +115,7 @@ def test_two_compiles_of_one_model_share_nothing():
     for step in (a, b):
         for batch in (prefill, decode):
             step(batch, caches)
-    assert a.graphs == b.graphs == {prefill.variant: 1, decode.variant: 1}
-    assert a.num_graphs == b.num_graphs == 2
+    assert a.variants == b.variants == {prefill.variant, decode.variant}
+    # embed, head, the dense MLP, the MoE, and the attention of each variant
+    assert a.graphs == b.graphs and set(a.graphs.values()) == {1}
+    assert a.num_graphs == b.num_graphs == 6

@@ -449,7 +449,8 @@ def decode_fake_aiter_op_reading_k(x, cache):
 
 
 def capture(module: nn.Module, *args) -> torch.fx.Graph:
-    """The graph mlagraph_eager hands to the pass manager (functional AOT form), no pass run."""
+    """The graph mlagraph_eager hands to the pass manager (functional AOT form), no pass run:
+    the whole-model step's (``regional=False``), every layer in one graph under its ``layers.N``."""
     seen = []
     call = MLAPassManager.__call__
 
@@ -459,7 +460,7 @@ def capture(module: nn.Module, *args) -> torch.fx.Graph:
 
     torch._dynamo.reset()
     with mock.patch.object(MLAPassManager, "__call__", spy):
-        mlagraph.compile(module, backend="mlagraph_eager", fullgraph=True, passes=(), lint=False)(*args)
+        mlagraph.compile(module, backend="mlagraph_eager", fullgraph=True, passes=(), lint=False, regional=False)(*args)
     assert len(seen) == 1
     return seen[0]
 
@@ -697,11 +698,13 @@ def inductor_decode(backend_name: str) -> dict:
     prev, n_calls = passes.last_compile(), CALLS[FAKE_OP]
     cache0 = {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")}
     t0 = time.perf_counter()
-    out = mlagraph.compile(m, backend="mlagraph", fullgraph=True)(batch, caches)
+    step = mlagraph.compile(m, backend="mlagraph", fullgraph=True)
+    out = step(batch, caches)
     seconds = time.perf_counter() - t0
     new_report = passes.last_compile() is not prev
     return dict(
         name=backend_name, out=out, eager=eager, seconds=seconds, report=passes.last_compile(),
+        graphs=step.num_graphs,  # the step's regions: each one a lookup in the FX graph cache
         new_report=new_report and passes.last_compile().backend == backend_name,
         fake_calls=CALLS[FAKE_OP] - n_calls,
         cache={k: counters["inductor"][f"fxgraph_cache_{k}"] - n for k, n in cache0.items()},
@@ -741,11 +744,12 @@ def test_fx_graph_cache_keeps_backends_apart(order, fake_aiter, tmp_path, monkey
     with torch._inductor.config.patch(fx_graph_cache=True):
         for name in order:
             results.append(inductor_decode(name))
-            assert results[-1]["cache"] == {"hit": 0, "miss": 1, "bypass": 0}, results[-1]["cache"]
+            n = results[-1]["graphs"]
+            assert results[-1]["cache"] == {"hit": 0, "miss": n, "bypass": 0}, results[-1]["cache"]
         again = inductor_decode(order[0])
     for r in results:
         assert runs_its_own_backend(r) == []
-    assert again["cache"] == {"hit": 1, "miss": 0, "bypass": 0}, again["cache"]
+    assert again["cache"] == {"hit": again["graphs"], "miss": 0, "bypass": 0}, again["cache"]
     assert not again["new_report"]  # served from the cache: the passes did not run again ...
     assert again["fake_calls"] == (1 if order[0] == FAKE_AITER else 0)  # ... yet it runs its own op
     torch.testing.assert_close(again["out"], again["eager"], atol=1e-5, rtol=0)
@@ -762,7 +766,7 @@ def test_fx_graph_cache_check_detects_a_uuid_without_the_backend(fake_aiter, tmp
         first = inductor_decode("reference")
         second = inductor_decode(FAKE_AITER)
     assert runs_its_own_backend(first) == []
-    assert second["cache"]["hit"] == 1
+    assert second["cache"]["hit"] == second["graphs"]
     problems = runs_its_own_backend(second)
     assert any("passes did not run" in p for p in problems) and any("ran 0 times" in p for p in problems)
 

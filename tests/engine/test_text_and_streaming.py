@@ -155,7 +155,7 @@ def test_add_request_checks_everything_first(bare_model):
 def test_engine_constructor_names_bad_arguments(bare_model):
     for kw, match in [
         ({"compile": True, "compile_options": {"bogus": 1}},
-         r"compile_options: expected keys among \['mode', 'passes', 'strict', 'lint', 'options'\], got unknown \['bogus'\]"),
+         r"compile_options: expected keys among \['mode', 'passes', 'strict', 'lint', 'options', 'regional'\], got unknown \['bogus'\]"),
         ({"prefix_caching": "yes"}, r"Engine: prefix_caching: expected a bool, got 'yes'"),
         ({"compile": True, "compile_backend": "inductor"}, r"compile_backend: expected 'mlagraph' or 'mlagraph_eager', got 'inductor'"),
         ({"progress": 1}, r"Engine: progress: expected a bool or None, got 1"),
