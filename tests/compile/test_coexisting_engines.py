@@ -81,7 +81,8 @@ def test_many_compiled_engines_in_one_process(device, compile_backend):
         (step,) = engine.runner.compiled
         # regions (embed, head, MLPs, attention per variant: prefill + decode at least; V3.2
         # dense and sparse); never a second graph of one
-        assert len(step.graphs) >= 6, (name, step.graphs)
+        regions = [key[0] for key in step.graphs]
+        assert regions.count("attention") >= 2 and {"embed", "mlp", "head"} <= set(regions), (name, step.graphs)
         assert set(step.graphs.values()) == {1}, (name, step.graphs)
         assert engine.compiled_graphs == len(step.graphs)
         if i == 0:
