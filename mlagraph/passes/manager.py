@@ -70,7 +70,9 @@ def collecting() -> Iterator[list[CompileReport]]:
     try:
         yield sink
     finally:
-        _SINKS.remove(sink)
+        # by identity: list.remove compares by value, and an empty sink equals an empty
+        # process list, which it would remove instead (every later report then went nowhere)
+        del _SINKS[next(i for i in range(len(_SINKS) - 1, -1, -1) if _SINKS[i] is sink)]
 
 
 def add_report(report: CompileReport) -> None:

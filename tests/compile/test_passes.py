@@ -881,3 +881,20 @@ def test_lint_write_once_rejects_a_read_cache_that_is_never_written():
     graph.erase_node(writes[1])  # layer 1 loses its write
     with pytest.raises(mlagraph.passes.LintError, match=r"layer 1 \(mlagraph::mla_decode"):
         mlagraph.passes.lint_write_once(graph, model.backend)
+
+
+def test_collecting_an_empty_sink_keeps_the_process_list():
+    """An empty collecting() list equals an empty process list: leaving it must not unhook the
+    process list (reports filed afterwards would go nowhere)."""
+    from mlagraph.passes import manager
+
+    saved = list(manager._REPORTS)
+    manager.clear_reports()
+    try:
+        with manager.collecting():
+            pass
+        report = manager.CompileReport("x#0", "reference", [], "", "")
+        manager._SINKS[-1].append(report)
+        assert manager.last_compile() is report
+    finally:
+        manager._REPORTS[:] = saved
