@@ -79,9 +79,9 @@ def test_many_compiled_engines_in_one_process(device, compile_backend):
         outs = engine.generate(_prompts(i), max_new_tokens=3, ignore_eos=True)
         assert all(len(o.token_ids) == 3 for o in outs), name
         (step,) = engine.runner.compiled
-        # regions (embed, head, MLPs, attention per variant: prefill + decode at least; V3.2
-        # dense and sparse); never a second graph of one
-        assert len(step.graphs) >= 6, (name, step.graphs)
+        # regions: embed, head, each MLP kind (one in a one-layer model), the attention of each
+        # variant (prefill + decode at least; V3.2 dense and sparse); never a second graph of one
+        assert len(step.graphs) >= 5, (name, step.graphs)
         assert set(step.graphs.values()) == {1}, (name, step.graphs)
         assert engine.compiled_graphs == len(step.graphs)
         if i == 0:
