@@ -153,6 +153,15 @@ _REGISTRY: dict[str, Backend] = {}
 _COMPOSED: dict[str, Backend] = {}  # "auto" compositions made so far, by name (auto.py)
 
 
+def library_fallbacks(own) -> dict[str, str]:
+    """The fallbacks of a backend over a kernel library that has kernels for the ops ``own``:
+    triton's op for every other generic op, the reference op where triton declares its own
+    fallback to the reference (``moe``, DeepSeek-V4's ops). aiter, flashmla and flashinfer share it."""
+    reference_only = ("moe", *V4_OPS)
+    return {g: "triton" for g in GENERIC_OPS if g not in own and g not in reference_only} | {
+        g: "reference" for g in reference_only}
+
+
 def op_names_for(namespace: str, own: Iterable[str], fallbacks: Mapping[str, str]) -> dict[str, str]:
     """A backend's op map: each op it implements as ``namespace::<op>``, each declared fallback
     as the op of the (registered) backend it names."""

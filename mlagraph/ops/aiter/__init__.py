@@ -36,7 +36,7 @@ interpreter when ``TRITON_INTERPRET=1`` was set before they are first loaded.
 from __future__ import annotations
 
 from .. import cache as _cache, decode as _decode
-from ..backends import GENERIC_OPS, V4_OPS, Backend, Capabilities, op_names_for, register
+from ..backends import GENERIC_OPS, Backend, Capabilities, library_fallbacks, op_names_for, register
 from ..twins import define_twin
 from .. import triton as _triton  # noqa: F401  (registered first: aiter falls back to it)
 from ._loader import INSTALL_HINT, PACKAGE, available, load
@@ -109,9 +109,7 @@ for _generic, (_check, _fake) in _OPS.items():
     define_twin(NAMESPACE, _generic, _check, _fake, f"{__name__}.kernels")
 
 # Every generic op without an aiter kernel, and the backend whose op it runs.
-_REFERENCE_ONLY = ("moe", *V4_OPS)  # no triton kernel either
-FALLBACKS = {g: "triton" for g in GENERIC_OPS if g not in _OPS and g not in _REFERENCE_ONLY} | {
-    g: "reference" for g in _REFERENCE_ONLY}
+FALLBACKS = library_fallbacks(_OPS)
 
 CAPABILITIES = Capabilities(
     # aiter's decode reads unquantized rows only (no scale input): the only layout a model on

@@ -22,7 +22,7 @@ import torch
 from .. import decode as _decode, prefill as _prefill
 from .._checks import fail
 from .._library import Library
-from ..backends import GENERIC_OPS, V4_OPS, Backend, Capabilities, op_names_for, register
+from ..backends import GENERIC_OPS, Backend, Capabilities, library_fallbacks, op_names_for, register
 from ..twins import define_twin
 from .. import triton as _triton  # noqa: F401  (registered first: flashinfer falls back to it)
 
@@ -71,9 +71,7 @@ _OPS = {
 for _generic, (_check, _fake) in _OPS.items():
     define_twin(NAMESPACE, _generic, _check, _fake, f"{__name__}.kernels")
 
-_REFERENCE_ONLY = ("moe", *V4_OPS)
-FALLBACKS = {g: "triton" for g in GENERIC_OPS if g not in _OPS and g not in _REFERENCE_ONLY} | {
-    g: "reference" for g in _REFERENCE_ONLY}
+FALLBACKS = library_fallbacks(_OPS)
 
 CAPABILITIES = Capabilities(
     latent_layouts=frozenset({"bf16"}),  # its decode is given no fp8 scales
