@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ._compat import no_duck_shapes
+from ._compat import symbolic_sizes
 from .ops import backends
 from .passes.graph_utils import op_name
 from .passes.manager import MLAPassManager
@@ -141,7 +141,7 @@ class CompiledStep:
 
     ``step(batch, caches)`` runs the graph of ``batch.variant``, compiling it on first use;
     every other call (args that are not a Batch) shares one compiled function. Dynamic
-    dimensions are traced without duck shaping (:func:`mlagraph._compat.no_duck_shapes`).
+    dimensions are traced without duck shaping, a size of 1 included (:func:`mlagraph._compat.symbolic_sizes`).
 
     Attributes:
         fn: the model or function it compiles.
@@ -166,11 +166,11 @@ class CompiledStep:
         key = variant_of(args)
         compiled = self._compiled.get(key)
         if compiled is not None:
-            with no_duck_shapes():
+            with symbolic_sizes():
                 return compiled(*args, **kwargs)
         start = time.perf_counter()
         compiled = self._compiled[key] = self._compile(key)
-        with no_duck_shapes():
+        with symbolic_sizes():
             out = compiled(*args, **kwargs)
         self.compile_seconds += time.perf_counter() - start
         return out

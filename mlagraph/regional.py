@@ -13,8 +13,9 @@ A region is compiled with the layer module as an *argument*: its parameters and 
 graph inputs, not constants, so the graph compiled at the first layer of a kind runs every
 other layer of that kind (dynamo guards on their shapes and dtypes, which agree, never on which
 module it is). Compile time therefore stops growing with depth. The attention block is the only
-part that reads the batch plan; the MLP, embedding and head are compiled once for all variants
-(a one-request batch, whose token count may be 1, gets its own, as it does in the whole step).
+part that reads the batch plan; the MLP, embedding and head are compiled once for all variants.
+A one-token batch (a CUDA graph's bucket 1) runs the same graphs: sizes are traced
+size-oblivious (``_compat.symbolic_sizes``), so dynamo does not specialise a dimension seen as 1.
 
 Every guarantee of the whole-model step holds per region: the same backend (fusion passes,
 concat elimination, lints) compiles each, fullgraph, dynamic sizes, no duck shapes, a code
@@ -32,7 +33,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from ._compat import no_duck_shapes, specialized_floats
+from ._compat import symbolic_sizes, specialized_floats
 from .passes import manager
 from .passes.manager import CompileReport, PassRecord
 
@@ -92,8 +93,8 @@ class RegionalStep:
 
     Attributes:
         fn: the model.
-        regions: key -> :class:`Region`; keys are ("embed", one_request), ("attention", kind,
-            batch variant), ("mlp", kind, one_request), ("head", one_request).
+        regions: key -> :class:`Region`; keys are ("embed",), ("attention", kind, batch
+            variant), ("mlp", kind), ("head",).
         variants: the batch variants this step has run.
     """
 
@@ -130,7 +131,6 @@ class RegionalStep:
 
     def __call__(self, batch, caches) -> torch.Tensor:
         model, variant = self.fn, batch.variant
-        one = batch.single_request
         ran: list[tuple[Region, int | None]] | None = None if variant in self.variants else []
         known = set() if ran is None else {id(r.report) for r in self.regions.values()}
 
@@ -140,14 +140,14 @@ class RegionalStep:
                 ran.append((region, layer))
             return region(module, *args)
 
-        with no_duck_shapes():
-            h = run(("embed", one), "embed", model, (batch.input_ids,))
+        with symbolic_sizes():
+            h = run(("embed",), "embed", model, (batch.input_ids,))
             mlp_args = model.mlp_args(batch)
             for i, layer in enumerate(model.model.layers):
                 h = run(("attention", layer.attention_kind, variant), "attention_block", layer,
                         (h, batch, *model.attention_args(caches, i)), i)
-                h = run(("mlp", layer.mlp_kind, one), "mlp_block", layer, (h, *mlp_args), i)
-            logits = run(("head", one), "head", model, (h, batch.logits_indices))
+                h = run(("mlp", layer.mlp_kind), "mlp_block", layer, (h, *mlp_args), i)
+            logits = run(("head",), "head", model, (h, batch.logits_indices))
         if ran is not None:
             self.variants.add(variant)
             # Filed when some region ran the passes now; a step whose new regions all came

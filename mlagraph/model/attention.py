@@ -22,6 +22,26 @@ from .config import DeepseekConfig
 from .parallel import SINGLE, ParallelState, all_reduce
 
 
+def per_head_matmul(x: torch.Tensor, w: torch.Tensor, flat: bool = False) -> torch.Tensor:
+    """x [T, H, a] @ w [H, a, b] -> [T, H, b] (``flat``: [T, H * b], contiguous), one matmul per head.
+
+    Written so a compiled step traced at T = 8 does not recompile for a one-token batch: a
+    batched matmul over heads, not ``einsum`` (its broadcasting checks guard on T == 1), and
+    the flat form copies to contiguous strides before the view (``reshape`` would ask whether
+    the transposed result is contiguous already, which it is only at T == 1: another guard)."""
+    out = torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
+    if flat:
+        out = contiguous_copy(out).view(x.shape[0], -1)
+    return out
+
+
+def contiguous_copy(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a view, made without asking whether the view is contiguous already:
+    for a slice like ``x[..., -r:]`` of [T, H, D] that answer depends on T == 1, and asking it
+    makes a compiled step guard on T (a one-token batch would recompile)."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -198,7 +218,7 @@ class MLAttention(nn.Module):
         # sparse requests: indexer top-k, then sparse MLA in the latent space
         rows = split.sparse_rows
         q_s = q.index_select(0, rows)
-        q_abs = torch.einsum("thd,hdl->thl", q_s[..., : self.nope_dim], w_uk)
+        q_abs = per_head_matmul(q_s[..., : self.nope_dim], w_uk)
         req_s = batch.req_ids.index_select(0, rows)
         topk = self.indexer.select(
             x.index_select(0, rows), q_lora.index_select(0, rows), batch.positions.index_select(0, rows),
@@ -208,7 +228,7 @@ class MLAttention(nn.Module):
             q_abs, q_s[..., self.nope_dim :], kv_cache, topk, req_s, batch.block_table, caches.scale,
             caches.layout, self.softmax_scale,
         )
-        out_s = torch.einsum("thl,hvl->thv", o, w_uv)
+        out_s = per_head_matmul(o, w_uv.transpose(1, 2))
         out = out_d.new_zeros(T, H, self.v_dim)
         return out.index_copy(0, split.dense_rows, out_d).index_copy(0, rows, out_s)
 
@@ -235,7 +255,7 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._w_uk_uv()
         if method in (ForwardMethod.ABSORBED, ForwardMethod.SPARSE):
             # Absorb W_UK into q so attention runs in the latent space: [T,H,Dn] x [H,Dn,L].
-            q_nope = torch.einsum("thd,hdl->thl", q_nope, w_uk)
+            q_nope = per_head_matmul(q_nope, w_uk)
 
         # The backend-neutral front: RoPE -> concat -> cache write.
         q_rot, k_rot = self._rope(q_pe, k_pe[:, None, :], batch.positions, cos_sin, self.interleaved)
@@ -276,8 +296,9 @@ class MLAttention(nn.Module):
                     q[..., :L], q[..., L:], kv_cache, topk, batch.req_ids, batch.block_table,
                     caches.scale, caches.layout, self.softmax_scale,
                 )
-            out = torch.einsum("thl,hvl->thv", o, w_uv)  # back from latent to per-head values
-        out = out.reshape(T, H * self.v_dim)
+            out = per_head_matmul(o, w_uv.transpose(1, 2), flat=True)  # latent -> per-head values [T, H * Dv]
+        if out.dim() == 3:  # the MHA forms' [T, H, Dv]
+            out = out.reshape(T, H * self.v_dim)
         if self.ps.world == 1:
             return self.o_proj(out)
         # Row parallel: each rank's heads give a partial sum; the bias is added once, after.

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..ops import backends
-from .attention import RMSNorm
+from .attention import RMSNorm, contiguous_copy, per_head_matmul
 from .batch import Batch
 from .config_v4 import CSA, HCA, SLIDING, DeepseekV4Config
 
@@ -51,7 +51,7 @@ def rotate_tail(rope, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
     """RoPE on the last R dims of x [T, H, Dh] (and of k [T, 1, Dh] with it), interleaved pairs."""
     r = cos_sin.shape[-1]
     k_tail = k[..., -r:] if k is not None else x[:, :1, -r:]  # the op rotates one key with the queries
-    x_rot, k_rot = rope(x[..., -r:].contiguous(), k_tail.contiguous(), positions, cos_sin, True)
+    x_rot, k_rot = rope(contiguous_copy(x[..., -r:]), contiguous_copy(k_tail), positions, cos_sin, True)
     x = torch.cat([x[..., :-r], x_rot], dim=-1)
     return x, (torch.cat([k[..., :-r], k_rot], dim=-1) if k is not None else None)
 
@@ -68,7 +68,7 @@ def unrotate_tail(rope, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch
         return t.unflatten(-1, (r // 2, 2)).flip(-1).flatten(-2)
 
     tail = swap(x[..., -r:])
-    tail = swap(rope(tail.contiguous(), tail[:, :1].contiguous(), positions, cos_sin, True)[0])
+    tail = swap(rope(contiguous_copy(tail), contiguous_copy(tail[:, :1]), positions, cos_sin, True)[0])
     return torch.cat([x[..., :-r], tail], dim=-1)
 
 
@@ -177,7 +177,7 @@ class V4Attention(nn.Module):
         out = unrotate_tail(self._rope, out, batch.positions, cos_sin)  # [T, H, Dh]
         grouped = out.reshape(T, self.groups, -1)  # [T, G, H·Dh/G]
         w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])  # [G, o_lora_rank, H·Dh/G]
-        return self.o_b_proj(torch.einsum("tgi,gri->tgr", grouped, w).flatten(1))
+        return self.o_b_proj(per_head_matmul(grouped, w.transpose(1, 2), flat=True))
 
     def _attention(self, q: torch.Tensor, batch: Batch, cache: V4LayerCache, topk: torch.Tensor | None) -> torch.Tensor:
         """The layer type's attention (all entries for a CSA layer without a selection), in its

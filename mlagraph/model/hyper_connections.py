@@ -56,7 +56,7 @@ class HyperConnection(nn.Module):
     @staticmethod
     def merge(x: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """x [T, N, D], block_out [T, D] -> the next streams [T, N, D]."""
-        mixed = torch.einsum("tjk,tjd->tkd", comb.to(x.dtype), x)
+        mixed = torch.bmm(comb.to(x.dtype).transpose(1, 2), x)  # [T, k, D] = sum_j comb[t, j, k] x[t, j]
         return post.to(x.dtype)[..., None] * block_out[:, None, :] + mixed
 
 

@@ -120,6 +120,33 @@ def test_later_variant_reports_shared_regions():
     assert rep.after.count("# ") == 5 and {r.layer for r in rep.records} == {0, 1}
 
 
+def _decodes(model, sizes) -> list:
+    """Decode batches of ``sizes`` requests, as CUDA-graph buckets are captured: largest first."""
+    caps = model.backend.capabilities
+    return [build_batch(caps, [[9]] * n, [5] * n, [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(n)], PAGE,
+                        is_decode=[True] * n, dsa=model.config.uses_dsa) for n in sizes]
+
+
+@pytest.mark.parametrize("regional", [True, False])
+@pytest.mark.parametrize("kind", ["v3", "v32", "v4"])
+def test_one_token_batch_reuses_the_graphs(kind, regional):
+    """Buckets 8, 1, 2 in capture order: a step traced at 8 tokens serves the one-token decode
+    (no size-1 specialisation anywhere in the model) and equals eager."""
+    if kind == "v4":
+        from tests.model.test_oracle_v4 import v4_config
+
+        model = DeepseekForCausalLM.from_config(v4_config(num_hidden_layers=3).to_dict(), init_std=0.2)
+    else:
+        model = _model(kind, 2)
+    step = _compile(model, regional=regional)
+    batches = _decodes(model, (8, 1, 2))
+    with torch.no_grad():
+        got, want = ([f(b, model.allocate_caches(48, PAGE)) for b in batches] for f in (step, model))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    assert set(step.graphs.values()) == {1}, step.graphs
+
+
 def test_regional_false_and_plain_functions_compile_whole():
     model = _model("v3", 2)
     assert type(_compile(model, regional=False)).__name__ == "CompiledStep"
