@@ -146,6 +146,13 @@ class DeepseekModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def head_dims(cfg: DeepseekConfig) -> dict[str, tuple[int, int]]:
+    """The (qk, v) head widths each attention op of this model runs at (backends.Capabilities.head_dims)."""
+    latent = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank)
+    return {"mha_prefill": (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim), "mla_decode": latent,
+            "sparse_mla": latent}
+
+
 class DeepseekForCausalLM(nn.Module):
     """DeepSeek-V2/V3/V3.2 over a paged latent cache.
 
@@ -166,7 +173,7 @@ class DeepseekForCausalLM(nn.Module):
         self.kv_cache_dtype = kv_cache_dtype
         self.cache_layout = layouts.latent_layout_for(kv_cache_dtype)
         # "auto": composed for the device the model runs on and its cache layout (ops/auto.py)
-        self.backend = backends.get(backend, device, self.cache_layout)
+        self.backend = backends.get(backend, device, self.cache_layout, head_dims(cfg))
         backend = self.backend.name
         if self.cache_layout not in self.backend.capabilities.latent_layouts:
             raise ValueError(

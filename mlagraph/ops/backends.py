@@ -85,6 +85,11 @@ class Capabilities:
             here once: :func:`op_names_for` derives the op map from it, :func:`register` checks it.
         page_sizes: the cache page sizes its kernels take (None: any). FlashMLA's dense decode
             reads pages of 64 tokens only.
+        head_dims: generic op -> the (query/key, value) head widths its own kernel is built for
+            (absent: any). For ``mha_prefill`` that is (qk_nope + qk_rope, v_head_dim), 192 and
+            128 for DeepSeek; for ``mla_decode`` / ``sparse_mla`` (kv_lora_rank + qk_rope,
+            kv_lora_rank), 576 and 512. A model whose widths are not listed is refused by an
+            explicit backend and served by another backend's op under ``auto``.
         preferred_page_size: the Engine's page size when none is given (in ``page_sizes``).
         sm: the CUDA compute capabilities (major * 10 + minor) its own kernels run on; None: any
             device Triton or PyTorch runs on (CPU included, through the interpreter).
@@ -109,6 +114,8 @@ class Capabilities:
     fused_rope_window_write: bool = False
     fallbacks: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     page_sizes: frozenset[int] | None = None
+    head_dims: Mapping[str, frozenset[tuple[int, int]]] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({}))
     preferred_page_size: int = 16
     sm: frozenset[int] | None = None
     step_metadata: bool = False
@@ -116,6 +123,7 @@ class Capabilities:
     def __post_init__(self) -> None:
         # Freeze the mapping so a table can never be edited after registration.
         object.__setattr__(self, "fallbacks", MappingProxyType(dict(self.fallbacks)))
+        object.__setattr__(self, "head_dims", MappingProxyType({g: frozenset(d) for g, d in self.head_dims.items()}))
         if self.page_sizes is not None and self.preferred_page_size not in self.page_sizes:
             raise ValueError(f"Capabilities: preferred_page_size {self.preferred_page_size} is not in "
                              f"page_sizes {sorted(self.page_sizes)}")
@@ -215,29 +223,48 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
-def get(name: str, device: torch.device | str | None = None, layout: str = "bf16") -> Backend:
+def head_dims_problem(caps: Capabilities, dims: Mapping[str, tuple[int, int]]) -> str:
+    """Why a backend with table ``caps`` cannot run a model whose ops need the head widths
+    ``dims`` (generic op -> (qk, v), see :attr:`Capabilities.head_dims`); "" if it can."""
+    for op, want in dims.items():
+        built = caps.head_dims.get(op)
+        if built is not None and tuple(want) not in built:
+            return (f"its {op} kernel is built for (qk, v) head widths {sorted(built)}, "
+                    f"got {tuple(want)}")
+    return ""
+
+
+def get(name: str, device: torch.device | str | None = None, layout: str = "bf16",
+        dims: Mapping[str, tuple[int, int]] | None = None) -> Backend:
     """The backend called ``name``; ValueError listing the known names if there is none.
 
     A registered but unavailable backend (say, ``aiter`` without its wheel, or ``flashmla`` on
     a machine without a Hopper GPU) raises too, with the reason and how to fix it.
     ``"auto"`` is composed for ``device`` (default: CUDA device 0 if there is one, else the CPU)
     and the latent cache ``layout`` (:func:`mlagraph.ops.auto.compose`); a composition's name
-    (``"auto[...]"``, as a model's summary prints it) is accepted too.
+    (``"auto[...]"``, as a model's summary prints it) is accepted too. ``dims``, a model's head
+    widths per op (:attr:`Capabilities.head_dims`), steers ``auto`` away from kernels not built
+    for them and makes an explicit backend that is not raise.
     """
+    dims = dims or {}
     if name == "auto":
         from .auto import resolve
 
-        return resolve(device, layout)
+        return resolve(device, layout, dims)
     if isinstance(name, str) and name in _COMPOSED:
-        return _COMPOSED[name]
-    if not isinstance(name, str) or name not in _REGISTRY:
+        backend = _COMPOSED[name]
+    elif not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(_REGISTRY)}, auto")
-    backend = _REGISTRY[name]
-    if not backend.available:
-        raise ValueError(f"backend {name!r} is not available: {backend.reason}")
-    problem = hardware_problem(backend.capabilities, device)
+    else:
+        backend = _REGISTRY[name]
+        if not backend.available:
+            raise ValueError(f"backend {name!r} is not available: {backend.reason}")
+        problem = hardware_problem(backend.capabilities, device)
+        if problem:
+            raise ValueError(f"backend {name!r} is not available: {problem}")
+    problem = head_dims_problem(backend.capabilities, dims)
     if problem:
-        raise ValueError(f"backend {name!r} is not available: {problem}")
+        raise ValueError(f"backend {name!r} cannot run this model: {problem}; use backend='auto' or 'triton'")
     return backend
 
 

@@ -55,7 +55,9 @@ def fake_twins(monkeypatch):
 
 
 def _models(*names):
-    cfg = hf_config("v3").to_dict() | {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_hidden_layers": 2}
+    # DeepSeek's head widths: the libraries' kernels are built for 576 / 512 and 192 / 128 only
+    cfg = hf_config("v3").to_dict() | {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                                       "v_head_dim": 128, "num_hidden_layers": 2}
     ms = [DeepseekForCausalLM.from_config(cfg, init_std=0.2, backend=n, dtype=torch.bfloat16) for n in names]
     for m in ms[1:]:
         m.load_state_dict(ms[0].state_dict())
@@ -178,7 +180,7 @@ inputs: 2 tensors
 # attention (mla): layers 0-1
 inputs: 15 tensors
 v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph_flashmla.mla_decode(q_nope=v0.0~, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.144951)
+v1 = mlagraph_flashmla.mla_decode(q_nope=v0.0~, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.0935652)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # mlp (moe): layer 1
@@ -191,13 +193,32 @@ inputs: 2 tensors
 # attention (mla): layers 0-1
 inputs: 15 tensors
 v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph_flashinfer.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.144951)
+v1 = mlagraph_flashinfer.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.0935652)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # mlp (moe): layer 1
 inputs: 9 tensors
 # head
 inputs: 4 tensors""")
+
+
+def test_a_model_the_kernels_are_not_built_for_is_refused_or_routed(fake_twins):
+    """A toy model (qk 16 + 64, v 16): an explicit FlashInfer backend refuses it at construction,
+    naming the op and the widths; ``auto`` composed for it leaves FlashInfer's prefill out."""
+    from mlagraph.ops import auto
+
+    cfg = hf_config("v3").to_dict() | {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_hidden_layers": 1}
+    with pytest.raises(ValueError, match=r"backend 'fake_flashinfer' cannot run this model: its mha_prefill kernel "
+                                         r"is built for .* got \(80, 16\); use backend='auto' or 'triton'"):
+        DeepseekForCausalLM.from_config(cfg, backend="fake_flashinfer", dtype=torch.bfloat16)
+    installed = {"triton": True, "fake_flashinfer": True, "fake_flashmla": True}
+    tables = {n: backends.get(n).capabilities for n in installed}
+    dims = {"mha_prefill": (80, 16), "mla_decode": (576, 512)}
+    prefs = {"mla_decode": ("fake_flashmla",), "mha_prefill": ("fake_flashinfer",)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(auto, "PREFERENCE", prefs)
+        parts = auto.compose(90, installed, "bf16", tables, dims)
+    assert (parts["mla_decode"], parts["mha_prefill"]) == ("fake_flashmla", "triton")
 
 
 @pytest.mark.parametrize("kind", ["prefill", "decode"])

@@ -1,6 +1,6 @@
 """Models on flashmla, flashinfer and auto equal the reference backend on the H200.
 
-``pytest -m gpu tests/model/test_flash_backends.py``: DeepSeek widths (512 + 64, 64 heads, bf16,
+``pytest -m gpu tests/model/test_flash_backends.py``: DeepSeek widths (512 + 64, 128 + 64 / 128, 64 heads, bf16,
 2 layers), logprobs of the same prompts (with and without chunked prefill), V3.2 with the
 fp8_ds cache where the backend has it, and the engine with CUDA graphs equal to without.
 """
@@ -28,7 +28,8 @@ def need(name: str):
 
 
 def models(kind: str, name: str, kv_cache_dtype: str = "auto"):
-    cfg = hf_config(kind).to_dict() | {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 64,
+    cfg = hf_config(kind).to_dict() | {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                                       "v_head_dim": 128, "num_attention_heads": 64,
                                        "num_hidden_layers": 2, "max_position_embeddings": 1024, "vocab_size": 1024}
     if kind == "v32":  # the indexer's keys carry RoPE on 64 of their dims, as in DeepSeek-V3.2 (128 = 64 + 64)
         cfg["index_head_dim"] = 128

@@ -81,6 +81,40 @@ def test_auto_dispatch_matrix(sm, installed, layout, want):
     assert all(b == base for g, b in parts.items() if g not in auto.PREFERENCE)
 
 
+TINY = {"mha_prefill": (80, 16), "mla_decode": (96, 64), "sparse_mla": (96, 64)}  # a toy model's widths
+DEEPSEEK = {"mha_prefill": (192, 128), "mla_decode": (576, 512), "sparse_mla": (576, 512)}
+
+
+def test_auto_takes_only_kernels_built_for_the_model_widths():
+    assert auto.compose(90, ALL, "bf16", dims=DEEPSEEK) == auto.compose(90, ALL, "bf16")
+    parts = auto.compose(90, ALL, "bf16", dims=TINY)
+    assert (parts["mla_decode"], parts["mha_prefill"], parts["sparse_mla"]) == ("triton", "triton", "triton")
+    # FlashInfer's prefill takes equal widths of 128, not FlashMLA's 576 decode
+    parts = auto.compose(90, ALL, "bf16", dims={"mha_prefill": (128, 128), "mla_decode": (576, 512)})
+    assert (parts["mla_decode"], parts["mha_prefill"]) == ("flashmla", "flashinfer")
+    composed = auto.build(auto.compose(90, ALL, "bf16"))
+    assert composed.capabilities.head_dims["mha_prefill"] == fi_backend.PREFILL_HEAD_DIMS
+    assert composed.capabilities.head_dims["mla_decode"] == {(576, 512)}
+
+
+def test_head_dims_problem_names_the_op_and_the_widths():
+    fi = fi_backend.CAPABILITIES
+    assert backends.head_dims_problem(fi, DEEPSEEK) == ""
+    assert backends.head_dims_problem(fi, TINY) == (
+        "its mha_prefill kernel is built for (qk, v) head widths [(64, 64), (128, 128), (192, 128), (256, 256)], "
+        "got (80, 16)")
+    assert backends.head_dims_problem(backends.get("triton").capabilities, TINY) == ""
+    with pytest.raises(TypeError):
+        fi.head_dims["mha_prefill"] = frozenset()
+
+
+def test_flashinfer_prefill_widths_raise_eagerly_and_under_fake_tensors():
+    q, k, v = torch.randn(5, 2, 80).to(BF), torch.randn(5, 2, 80).to(BF), torch.randn(5, 2, 16).to(BF)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    assert_value_error(torch.ops.mlagraph_flashinfer.mha_prefill, [q, k, v, cu, cu, 0.1, True],
+                       r"flashinfer.mha_prefill: argument 'q': expected \(q, v\) head widths in .*got \(80, 16\)")
+
+
 def test_auto_composition_table():
     b = auto.build(auto.compose(90, ALL, "bf16"))
     assert b.name == "auto[mla_decode=flashmla,mha_prefill=flashinfer,sparse_mla=flashmla,*=triton]"
@@ -128,6 +162,8 @@ ERRORS = [
     (torch.ops.mlagraph_flashmla.mla_decode, dict(layout="fp8_ds", heads=16), "expected 64 or 128 heads"),
     (torch.ops.mlagraph_flashinfer.mla_decode, dict(dtype=torch.float32), "flashinfer.mla_decode: argument 'q_nope'"),
     (torch.ops.mlagraph_flashinfer.mla_decode, dict(layout="fp8_ds"), "flashinfer.mla_decode: argument 'layout'"),
+    (torch.ops.mlagraph_flashinfer.mla_decode, dict(lat=256), "flashinfer.mla_decode: argument 'q_nope': expected "
+     "latent width 512 and rope width 64"),
 ]
 
 

@@ -32,6 +32,10 @@ LIBRARY = Library(
     install="install it with `pip install mlagraph[flashinfer]` (or `pip install flashinfer-python "
             "apache-tvm-ffi`); it JIT-compiles its kernels on first use, which needs the CUDA toolkit")
 DTYPES = (torch.bfloat16, torch.float16)  # fa3's query / cache dtypes
+LATENT, ROPE = 512, 64  # its MLA kernel is built for head_dim_ckv 512 and head_dim_kpe 64
+# fa3's ragged prefill instantiations (include/flashinfer/attention/hopper/prefill_sm90.cuh):
+# equal widths of 64, 128 or 256, or DeepSeek's 192 / 128; other widths fail its JIT build.
+PREFILL_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
 
 
 def _fail(op, arg, expected, got):
@@ -46,6 +50,9 @@ def _check_mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layo
         _fail("mla_decode", "layout", "'bf16' (this backend passes no fp8 scales to FlashInfer)", repr(layout))
     if kv_cache.dtype != q_nope.dtype:
         _fail("mla_decode", "kv_cache", f"the dtype of 'q_nope' ({q_nope.dtype})", str(kv_cache.dtype))
+    if q_nope.shape[-1] != LATENT or q_pe.shape[-1] != ROPE:
+        _fail("mla_decode", "q_nope", f"latent width {LATENT} and rope width {ROPE} (FlashInfer's MLA kernel)",
+              f"{q_nope.shape[-1]} and {q_pe.shape[-1]}")
 
 
 def _mla_decode_fake(*args):
@@ -57,6 +64,9 @@ def _check_mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causa
     _prefill._check_mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, single_request)
     if q.dtype not in DTYPES:
         _fail("mha_prefill", "q", "dtype bfloat16 or float16 (FlashInfer's fa3 prefill)", str(q.dtype))
+    if (q.shape[-1], v.shape[-1]) not in PREFILL_HEAD_DIMS:
+        _fail("mha_prefill", "q", f"(q, v) head widths in {sorted(PREFILL_HEAD_DIMS)} (FlashInfer's fa3 prefill)",
+              f"({q.shape[-1]}, {v.shape[-1]})")
 
 
 def _mha_prefill_fake(*args):
@@ -92,6 +102,7 @@ CAPABILITIES = Capabilities(
     cuda_graph_safe=frozenset(GENERIC_OPS),
     dense_prefill_sdpa=False,  # its ragged prefill beat cuDNN's dense kernel on the H200
     fallbacks=FALLBACKS,
+    head_dims={"mla_decode": {(LATENT + ROPE, LATENT)}, "mha_prefill": PREFILL_HEAD_DIMS},
     sm=frozenset({90}),  # the fa3 kernels are Hopper's
     step_metadata=True,
 )

@@ -117,6 +117,7 @@ CAPABILITIES = Capabilities(
     dense_prefill_sdpa=True,  # triton's prefill, with the single-request cuDNN path
     fallbacks=FALLBACKS,
     page_sizes=frozenset({PAGE_SIZE}),
+    head_dims={"mla_decode": {(LATENT + ROPE, LATENT)}, "sparse_mla": {(LATENT + ROPE, LATENT)}},
     preferred_page_size=PAGE_SIZE,
     sm=frozenset({90}),  # the legacy (Hopper) extension; the current one is SM100 and V4.1-only
     step_metadata=True,  # tile-scheduler metadata once per step, shared by every layer

@@ -33,7 +33,10 @@ from .._paged import effective_lens, flat_slots, mask_empty, pad_last
 from ..backends import hardware_problem
 from . import CAPABILITIES, LATENT, LIBRARY
 
-_TOPK_BLOCK = 64  # index lists are padded to a multiple of this (FlashMLA reads them in blocks of 64)
+# Index lists are padded with -1 to a multiple of these: the decode kernels read them in blocks
+# of 64, the sparse prefill kernel in pairs of 64-blocks (it asserts topk % 128 == 0).
+_TOPK_BLOCK = 64
+_PREFILL_TOPK_BLOCK = 128
 
 
 def _flash_mla(op: str, like: torch.Tensor):
@@ -136,7 +139,8 @@ def sparse_mla(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale
     if tokens == 0:
         return q_nope.new_empty(q_nope.shape), q_nope.new_empty((0, heads), dtype=torch.float32)
     pages, page_size, width = kv_cache.shape
-    idx = pad_last(flat_slots(block_table, topk_indices, req_ids, page_size), _TOPK_BLOCK)  # [T, K']
+    block = _PREFILL_TOPK_BLOCK if layout == "bf16" else _TOPK_BLOCK
+    idx = pad_last(flat_slots(block_table, topk_indices, req_ids, page_size), block)  # [T, K']
     empty = (idx < 0).all(1)
     q = _joined(q_nope, q_pe)
     if layout == "bf16":
