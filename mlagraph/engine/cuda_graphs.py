@@ -100,6 +100,18 @@ def decode_plans(caps, dsa: bool, q_len: int = 1) -> dict[ForwardMethod, BatchPl
     return plans
 
 
+def _alias(view: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``view``'s memory that is not a view (no ``_base``).
+
+    dynamo guards on the base of a view it is given. The graph-captured decode batch's tensors
+    are slices of the static buffers, a prefill batch's are tensors of their own; a compiled
+    region both run (the embedding, the head: regional steps share them across variants) would
+    fail the base guard and compile again for the other kind. Same memory, same addresses for
+    the graphs: only the view bookkeeping is dropped."""
+    out = view.new_empty(0)
+    return out.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+
+
 class StaticDecodeInputs:
     """Device buffers of a decode batch of ``q_len`` tokens per request (1; k + 1 to verify k
     drafts), for buckets up to ``max_bs`` requests (N = max_bs * q_len tokens).
@@ -150,15 +162,15 @@ class StaticDecodeInputs:
             plan=plan,
             method=method,
             num_kv_tokens=0,  # read only by MHA over a prefix, which decode graphs never run
-            input_ids=self._dev64[0, :t],
-            positions=self._dev64[1, :t],
-            slot_mapping=self._dev64[2, :t],
-            req_ids=self.req_ids[:t],
-            block_table=table[:bucket],
-            seq_lens=self._dev32[:bucket],
-            cu_seqlens_q=self.cu_seqlens_q[: bucket + 1],
-            cu_seqlens_k=cu_k,
-            logits_indices=self.logits_indices[:t],
+            input_ids=_alias(self._dev64[0, :t]),
+            positions=_alias(self._dev64[1, :t]),
+            slot_mapping=_alias(self._dev64[2, :t]),
+            req_ids=_alias(self.req_ids[:t]),
+            block_table=_alias(table[:bucket]),
+            seq_lens=_alias(self._dev32[:bucket]),
+            cu_seqlens_q=_alias(self.cu_seqlens_q[: bucket + 1]),
+            cu_seqlens_k=_alias(cu_k),
+            logits_indices=_alias(self.logits_indices[:t]),
         )
 
     def fill(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],

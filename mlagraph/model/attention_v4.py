@@ -46,14 +46,24 @@ def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def _split_tail(x: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (x[..., :D - r], x[..., D - r:]). ``narrow`` with the lengths, not
+    ``x[..., -r:]``: r comes from the cos/sin table, a dynamic size in a compiled step, and a
+    negative slice bound leaves the result's size undecided (an unbacked size) when sizes are
+    traced size-oblivious."""
+    d = x.shape[-1]
+    return x.narrow(-1, 0, d - r), x.narrow(-1, d - r, r)
+
+
 def rotate_tail(rope, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RoPE on the last R dims of x [T, H, Dh] (and of k [T, 1, Dh] with it), interleaved pairs."""
     r = cos_sin.shape[-1]
-    k_tail = k[..., -r:] if k is not None else x[:, :1, -r:]  # the op rotates one key with the queries
-    x_rot, k_rot = rope(contiguous_copy(x[..., -r:]), contiguous_copy(k_tail), positions, cos_sin, True)
-    x = torch.cat([x[..., :-r], x_rot], dim=-1)
-    return x, (torch.cat([k[..., :-r], k_rot], dim=-1) if k is not None else None)
+    x_head, x_tail = _split_tail(x, r)
+    k_head, k_tail = _split_tail(k, r) if k is not None else (None, x_tail[:, :1])  # the op rotates one key too
+    x_rot, k_rot = rope(contiguous_copy(x_tail), contiguous_copy(k_tail), positions, cos_sin, True)
+    x = torch.cat([x_head, x_rot], dim=-1)
+    return x, (torch.cat([k_head, k_rot], dim=-1) if k is not None else None)
 
 
 def unrotate_tail(rope, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -67,9 +77,10 @@ def unrotate_tail(rope, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch
     def swap(t: torch.Tensor) -> torch.Tensor:
         return t.unflatten(-1, (r // 2, 2)).flip(-1).flatten(-2)
 
-    tail = swap(x[..., -r:])
+    head, tail = _split_tail(x, r)
+    tail = swap(tail)
     tail = swap(rope(contiguous_copy(tail), contiguous_copy(tail[:, :1]), positions, cos_sin, True)[0])
-    return torch.cat([x[..., :-r], tail], dim=-1)
+    return torch.cat([head, tail], dim=-1)
 
 
 class Compressor(nn.Module):

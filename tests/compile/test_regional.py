@@ -147,6 +147,24 @@ def test_one_token_batch_reuses_the_graphs(kind, regional):
     assert set(step.graphs.values()) == {1}, step.graphs
 
 
+def test_captured_decode_batches_share_the_regions_with_prefill():
+    """As an engine with CUDA graphs runs: the static decode batches of every bucket (largest
+    first), then plain prefill batches. The embedding, MLP and head regions serve both: the
+    static batch's tensors alias the buffers without being views, so no base guard fails."""
+    from mlagraph.engine.cuda_graphs import StaticDecodeInputs
+
+    model = _model("v3", 2)
+    step = _compile(model)
+    prefill, chunked, decode = _steps(model, (3,))
+    inputs = StaticDecodeInputs(8, 8, "cpu")
+    static = [inputs.batch(n, decode.method, decode.plan) for n in (8, 4, 2, 1)]
+    assert all(b.input_ids._base is None for b in static)
+    assert static[0].positions.data_ptr() == inputs.batch(1, decode.method, decode.plan).positions.data_ptr()
+    _run(step, model, static + [prefill, chunked])
+    assert set(step.graphs.values()) == {1}, step.graphs
+    assert step.num_graphs == 7  # embed, head, dense MLP, MoE, attention x (decode, prefill, chunked)
+
+
 def test_regional_false_and_plain_functions_compile_whole():
     model = _model("v3", 2)
     assert type(_compile(model, regional=False)).__name__ == "CompiledStep"

@@ -54,9 +54,14 @@ def paged_cache(lens, layout, page=64, seed=0):
 
 
 def check(got, want, what, atol=None):
-    # fp8_ds: FlashMLA's fp8 path sits up to 0.032 from the reference on 0.1-0.2% of elements
-    # (H200, 2026-12-02; bf16 rows sit under 0.02), so those cases get 4e-2.
-    atol = atol if atol is not None else 4e-2 if "fp8_ds" in what else 2e-2
+    # fp8_ds: FlashMLA's fp8 kernels sit further from the reference than its bf16 ones. On the
+    # H200 (2026-12-02), sparse top-2048 over the same keys: fp8 path max 0.049 / mean 0.0019
+    # from the reference, and 0.053 / 0.0020 from its own bf16 path run on the dequantized keys
+    # (rounded to bf16), whose own distance from the reference is 0.016 / 0.00016. So the
+    # fp8 error is the kernel's arithmetic, not the cache: those cases get a max of 6e-2 and a
+    # mean of 4e-3 (a wrong scale or row would move the mean by orders of magnitude).
+    fp8 = "fp8_ds" in what
+    atol = atol if atol is not None else 6e-2 if fp8 else 2e-2
     out, lse = got
     ref_out, ref_lse = want
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape, (
@@ -65,6 +70,9 @@ def check(got, want, what, atol=None):
     fin = ~torch.isneginf(ref_lse)
     torch.testing.assert_close(lse[fin], ref_lse[fin], atol=atol, rtol=0, msg=lambda m: f"{what}: lse: {m}")
     torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=0, msg=lambda m: f"{what}: out: {m}")
+    if fp8:
+        mean = (out.float() - ref_out.float()).abs().mean().item()
+        assert mean < 4e-3, f"{what}: out: mean |error| {mean:.2e}, want < 4e-3"
 
 
 DECODE = [  # (backend, heads, s_q, layout)
