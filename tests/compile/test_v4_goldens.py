@@ -171,8 +171,8 @@ inputs: 2 tensors
 # attention (compressed_sparse_attention): layer 0
 inputs: 34 tensors
 v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in11, cos_sin_cache=in10, kv_cache=in12!, slot_mapping=in13, scale=None, layout='bf16', interleaved=True)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in16, norm_weight=in17, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in20!, compressed_cache=in21!, compress_rate=2, overlap=True, eps=1e-06)
-mlagraph.compressor_update(kv=_, gate=_, position_bias=in24, norm_weight=in25, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in26!, compressed_cache=in27!, compress_rate=2, overlap=True, eps=1e-06)
+mlagraph_triton.compressor_update(kv=_, gate=_, position_bias=in16, norm_weight=in17, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in20!, compressed_cache=in21!, compress_rate=2, overlap=True, eps=1e-06)
+mlagraph_triton.compressor_update(kv=_, gate=_, position_bias=in24, norm_weight=in25, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in26!, compressed_cache=in27!, compress_rate=2, overlap=True, eps=1e-06)
 v1 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v2 = aten.cat([_, v1.0], -1)
 v3 = mlagraph.csa_indexer_topk(q=v2, weights=_, index_cache=in27', positions=in11, req_ids=in18, block_table=in19, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)

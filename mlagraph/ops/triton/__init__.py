@@ -15,6 +15,7 @@ reading the capability table costs nothing:
 - :mod:`.sparse`     ``sparse_mla``
 - :mod:`.indexer`    ``indexer_cache_write``, ``indexer_topk``
 - :mod:`.swa_decode` ``swa_decode``, ``hca_decode``, ``csa_decode`` (DeepSeek-V4's decode attentions)
+- :mod:`.compressor` ``compressor_update`` (DeepSeek-V4's compressors: state rows, pooled entries)
 
 Kernels run on CUDA tensors. CPU tensors run through Triton's interpreter, which Triton turns on
 for kernels defined while ``TRITON_INTERPRET=1`` is set (the CPU test suite sets it); without
@@ -27,7 +28,7 @@ import importlib.util
 
 # Aliased: the kernel modules below share these names (mlagraph.ops.triton.decode is ours).
 from .. import cache as _cache, decode as _decode, indexer as _indexer, prefill as _prefill, rope as _rope
-from .. import sparse as _sparse, swa_decode as _swa_decode
+from .. import compressor as _compressor, sparse as _sparse, swa_decode as _swa_decode
 from ..backends import GENERIC_OPS, V4_OPS, Backend, Capabilities, op_names_for, register
 from ..twins import define_twin
 
@@ -52,6 +53,7 @@ _OPS = {
     "swa_decode": ("swa_decode", _swa_decode.check_swa_decode, _swa_decode.swa_decode_fake),
     "hca_decode": ("swa_decode", _swa_decode.check_hca_decode, _swa_decode.hca_decode_fake),
     "csa_decode": ("swa_decode", _swa_decode.check_csa_decode, _swa_decode.csa_decode_fake),
+    "compressor_update": ("compressor", _compressor._check_compressor, _compressor._compressor_update_fake),
 }
 
 
@@ -59,7 +61,7 @@ for _generic, (_module, _check, _fake) in _OPS.items():
     define_twin(NAMESPACE, _generic, _check, _fake, f"{__name__}.{_module}")
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
-# No kernel of ours: the reference op (V4's prefill attentions, compressors and indexer among them).
+# No kernel of ours: the reference op (V4's prefill attentions and CSA indexer among them).
 _FALLBACKS = {g: "reference" for g in ("moe", *V4_OPS) if g not in _OPS}
 
 TRITON = register(

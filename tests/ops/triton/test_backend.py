@@ -13,7 +13,7 @@ from triton.runtime.jit import JITFunction
 from mlagraph.ops import backends
 from mlagraph.ops.triton import _launch
 
-V4_KERNELS = ("swa_decode", "hca_decode", "csa_decode")
+V4_KERNELS = ("swa_decode", "hca_decode", "csa_decode", "compressor_update")
 
 
 def test_registered_and_available():
