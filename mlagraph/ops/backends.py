@@ -163,11 +163,11 @@ _COMPOSED: dict[str, Backend] = {}  # "auto" compositions made so far, by name (
 
 def library_fallbacks(own) -> dict[str, str]:
     """The fallbacks of a backend over a kernel library that has kernels for the ops ``own``:
-    triton's op for every other generic op, the reference op where triton declares its own
-    fallback to the reference (``moe``, DeepSeek-V4's ops). aiter, flashmla and flashinfer share it."""
-    reference_only = ("moe", *V4_OPS)
-    return {g: "triton" for g in GENERIC_OPS if g not in own and g not in reference_only} | {
-        g: "reference" for g in reference_only}
+    triton's op for every other generic op, or, where triton itself declares a fallback (``moe``,
+    DeepSeek-V4's prefill attentions and indexer), the op it falls back to. aiter, flashmla and
+    flashinfer share it; the triton backend must be registered first."""
+    triton = _REGISTRY["triton"].capabilities.fallbacks
+    return {g: triton.get(g, "triton") for g in GENERIC_OPS if g not in own}
 
 
 def op_names_for(namespace: str, own: Iterable[str], fallbacks: Mapping[str, str]) -> dict[str, str]:

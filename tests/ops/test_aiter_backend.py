@@ -82,8 +82,10 @@ def test_capability_table():
     assert dict(caps.fallbacks) == {
         "rope": "triton", "latent_cache_write": "triton", "latent_cache_read": "triton", "mha_prefill": "triton",
         "sparse_mla": "triton", "indexer_cache_write": "triton", "indexer_topk": "triton", "moe": "reference",
-        **{g: "reference" for g in backends.V4_OPS},
+        # DeepSeek-V4: triton's kernels where it has them, otherwise the reference it falls back to
+        **{g: backends.get("triton").capabilities.fallbacks.get(g, "triton") for g in backends.V4_OPS},
     }
+    assert caps.fallbacks["swa_decode"] == "triton" and caps.fallbacks["csa_indexer_topk"] == "reference"
 
 
 @pytest.mark.parametrize("generic", backends.GENERIC_OPS)
