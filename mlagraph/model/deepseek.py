@@ -153,6 +153,13 @@ def head_dims(cfg: DeepseekConfig) -> dict[str, tuple[int, int]]:
             "sparse_mla": latent}
 
 
+def attention_heads(cfg: DeepseekConfig, parallel: ParallelState) -> dict[str, int]:
+    """The query heads (on this rank) of each attention op the model runs (backends.Capabilities.head_counts)."""
+    heads = parallel.shard(cfg.num_attention_heads, "num_attention_heads")[1]
+    ops = ("mha_prefill", "mla_decode", "sparse_mla") if cfg.uses_dsa else ("mha_prefill", "mla_decode")
+    return {op: heads for op in ops}
+
+
 class DeepseekForCausalLM(nn.Module):
     """DeepSeek-V2/V3/V3.2 over a paged latent cache.
 
@@ -173,7 +180,7 @@ class DeepseekForCausalLM(nn.Module):
         self.kv_cache_dtype = kv_cache_dtype
         self.cache_layout = layouts.latent_layout_for(kv_cache_dtype)
         # "auto": composed for the device the model runs on and its cache layout (ops/auto.py)
-        self.backend = backends.get(backend, device, self.cache_layout, head_dims(cfg))
+        self.backend = backends.get(backend, device, self.cache_layout, head_dims(cfg), attention_heads(cfg, parallel))
         backend = self.backend.name
         if self.cache_layout not in self.backend.capabilities.latent_layouts:
             raise ValueError(

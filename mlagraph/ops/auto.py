@@ -41,19 +41,23 @@ CACHE_OPS = frozenset({"latent_cache_write", "latent_cache_read", "fused_rope_co
 
 
 def _fits(caps: _b.Capabilities, op: str, sm: int | None, layout: str,
-          dims: Mapping[str, tuple[int, int]]) -> bool:
+          dims: Mapping[str, tuple[int, int]], heads: Mapping[str, int]) -> bool:
     if caps.sm is not None and sm not in caps.sm:
         return False
     if op in caps.fallbacks:  # it would run another backend's op: not a reason to pick it
         return False
     if op in dims and op in caps.head_dims and tuple(dims[op]) not in caps.head_dims[op]:
         return False  # its kernel is not built for the model's head widths
+    counts = _b.head_counts_for(caps, op, layout)
+    if op in heads and counts is not None and heads[op] not in counts:
+        return False  # nor for this many query heads (a tensor-parallel shard, say)
     return op not in CACHE_OPS or layout in caps.latent_layouts
 
 
 def compose(sm: int | None, installed: Mapping[str, bool], layout: str,
             tables: Mapping[str, _b.Capabilities] | None = None,
-            dims: Mapping[str, tuple[int, int]] | None = None) -> dict[str, str]:
+            dims: Mapping[str, tuple[int, int]] | None = None,
+            heads: Mapping[str, int] | None = None) -> dict[str, str]:
     """generic op -> the backend whose op ``auto`` runs for it.
 
     Args:
@@ -63,15 +67,17 @@ def compose(sm: int | None, installed: Mapping[str, bool], layout: str,
         tables: backend name -> capability table (default: the registry's).
         dims: the model's head widths per op (:attr:`~mlagraph.ops.backends.Capabilities.head_dims`);
             a kernel not built for them is not picked. None: any widths.
+        heads: the model's query heads per op, per rank (:attr:`~mlagraph.ops.backends.Capabilities.head_counts`);
+            a kernel that takes other head counts is not picked. None: any count.
     """
-    dims = dims or {}
+    dims, heads = dims or {}, heads or {}
     tables = tables if tables is not None else {b.name: b.capabilities for b in _b.registered() if b.parts is None}
     if sm is None:
         return {g: "reference" for g in _b.GENERIC_OPS}
     base = "triton" if installed.get("triton") else "reference"
     parts = {}
     for g in _b.GENERIC_OPS:
-        picks = [n for n in PREFERENCE.get(g, ()) if installed.get(n) and n in tables and _fits(tables[n], g, sm, layout, dims)]
+        picks = [n for n in PREFERENCE.get(g, ()) if installed.get(n) and n in tables and _fits(tables[n], g, sm, layout, dims, heads)]
         parts[g] = picks[0] if picks else base
     return parts
 
@@ -111,6 +117,7 @@ def composed_capabilities(parts: Mapping[str, str], tables: Mapping[str, _b.Capa
         fallbacks=dict(parts),
         page_sizes=page_sizes,
         head_dims={g: t[g].head_dims[g] for g in parts if g in t[g].head_dims},
+        head_counts={k: n for g in parts for k, n in t[g].head_counts.items() if k == g or k.startswith(f"{g}[")},
         preferred_page_size=min(page_sizes) if page_sizes else 16,
         sm=frozenset.intersection(*sms) if sms else None,
         step_metadata=any(c.step_metadata for c in t.values()),
@@ -126,15 +133,16 @@ def build(parts: Mapping[str, str]) -> _b.Backend:
 
 
 def resolve(device: torch.device | str | None = None, layout: str = "bf16",
-            dims: Mapping[str, tuple[int, int]] | None = None) -> _b.Backend:
-    """``auto`` for ``device`` (None: CUDA device 0 if any, else the CPU), ``layout`` and the
-    model's head widths ``dims``."""
+            dims: Mapping[str, tuple[int, int]] | None = None,
+            heads: Mapping[str, int] | None = None) -> _b.Backend:
+    """``auto`` for ``device`` (None: CUDA device 0 if any, else the CPU), ``layout``, the
+    model's head widths ``dims`` and its query heads per rank ``heads``."""
     sm = _b.device_sm(device)
     installed = {}
     for b in _b.registered():
         if b.parts is None:
             installed[b.name] = b.available and not _b.hardware_problem(b.capabilities, device if sm else "cpu")
-    parts = compose(sm, installed, layout, dims=dims)
+    parts = compose(sm, installed, layout, dims=dims, heads=heads)
     if len(set(parts.values())) == 1:
         return _b.get(next(iter(parts.values())), device)
     backend = build(parts)

@@ -90,6 +90,10 @@ class Capabilities:
             128 for DeepSeek; for ``mla_decode`` / ``sparse_mla`` (kv_lora_rank + qk_rope,
             kv_lora_rank), 576 and 512. A model whose widths are not listed is refused by an
             explicit backend and served by another backend's op under ``auto``.
+        head_counts: generic op -> the query head counts its own kernel takes (absent: any);
+            a key ``"op[layout]"`` limits the op under that cache layout only. FlashMLA's sparse
+            kernels are built for 64 and 128 heads: a tensor-parallel shard of 16 is refused by
+            an explicit ``flashmla`` (for the ops the model runs) and routed around by ``auto``.
         preferred_page_size: the Engine's page size when none is given (in ``page_sizes``).
         sm: the CUDA compute capabilities (major * 10 + minor) its own kernels run on; None: any
             device Triton or PyTorch runs on (CPU included, through the interpreter).
@@ -116,6 +120,7 @@ class Capabilities:
     page_sizes: frozenset[int] | None = None
     head_dims: Mapping[str, frozenset[tuple[int, int]]] = dataclasses.field(
         default_factory=lambda: MappingProxyType({}))
+    head_counts: Mapping[str, frozenset[int]] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     preferred_page_size: int = 16
     sm: frozenset[int] | None = None
     step_metadata: bool = False
@@ -124,6 +129,8 @@ class Capabilities:
         # Freeze the mapping so a table can never be edited after registration.
         object.__setattr__(self, "fallbacks", MappingProxyType(dict(self.fallbacks)))
         object.__setattr__(self, "head_dims", MappingProxyType({g: frozenset(d) for g, d in self.head_dims.items()}))
+        object.__setattr__(self, "head_counts",
+                           MappingProxyType({g: frozenset(n) for g, n in self.head_counts.items()}))
         if self.page_sizes is not None and self.preferred_page_size not in self.page_sizes:
             raise ValueError(f"Capabilities: preferred_page_size {self.preferred_page_size} is not in "
                              f"page_sizes {sorted(self.page_sizes)}")
@@ -234,8 +241,24 @@ def head_dims_problem(caps: Capabilities, dims: Mapping[str, tuple[int, int]]) -
     return ""
 
 
+def head_counts_for(caps: Capabilities, op: str, layout: str) -> frozenset[int] | None:
+    """The head counts ``op``'s own kernel takes under cache ``layout`` (None: any)."""
+    return caps.head_counts.get(f"{op}[{layout}]", caps.head_counts.get(op))
+
+
+def head_counts_problem(caps: Capabilities, heads: Mapping[str, int], layout: str) -> str:
+    """Why a backend with table ``caps`` cannot run a model whose ops run ``heads`` query heads
+    (generic op -> count, per rank) over cache ``layout``; "" if it can."""
+    for op, n in heads.items():
+        built = head_counts_for(caps, op, layout)
+        if built is not None and n not in built:
+            where = f" for layout {layout!r}" if f"{op}[{layout}]" in caps.head_counts else ""
+            return f"its {op} kernel{where} takes {' or '.join(map(str, sorted(built)))} query heads, got {n}"
+    return ""
+
+
 def get(name: str, device: torch.device | str | None = None, layout: str = "bf16",
-        dims: Mapping[str, tuple[int, int]] | None = None) -> Backend:
+        dims: Mapping[str, tuple[int, int]] | None = None, heads: Mapping[str, int] | None = None) -> Backend:
     """The backend called ``name``; ValueError listing the known names if there is none.
 
     A registered but unavailable backend (say, ``aiter`` without its wheel, or ``flashmla`` on
@@ -244,13 +267,15 @@ def get(name: str, device: torch.device | str | None = None, layout: str = "bf16
     and the latent cache ``layout`` (:func:`mlagraph.ops.auto.compose`); a composition's name
     (``"auto[...]"``, as a model's summary prints it) is accepted too. ``dims``, a model's head
     widths per op (:attr:`Capabilities.head_dims`), steers ``auto`` away from kernels not built
-    for them and makes an explicit backend that is not raise.
+    for them and makes an explicit backend that is not raise; ``heads``, the query heads per
+    op of the ops the model runs (per tensor-parallel rank, :attr:`Capabilities.head_counts`),
+    does the same for head counts.
     """
-    dims = dims or {}
+    dims, heads = dims or {}, heads or {}
     if name == "auto":
         from .auto import resolve
 
-        return resolve(device, layout, dims)
+        return resolve(device, layout, dims, heads)
     if isinstance(name, str) and name in _COMPOSED:
         backend = _COMPOSED[name]
     elif not isinstance(name, str) or name not in _REGISTRY:
@@ -262,7 +287,7 @@ def get(name: str, device: torch.device | str | None = None, layout: str = "bf16
         problem = hardware_problem(backend.capabilities, device)
         if problem:
             raise ValueError(f"backend {name!r} is not available: {problem}")
-    problem = head_dims_problem(backend.capabilities, dims)
+    problem = head_dims_problem(backend.capabilities, dims) or head_counts_problem(backend.capabilities, heads, layout)
     if problem:
         raise ValueError(f"backend {name!r} cannot run this model: {problem}; use backend='auto' or 'triton'")
     return backend

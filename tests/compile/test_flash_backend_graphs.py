@@ -221,6 +221,27 @@ def test_a_model_the_kernels_are_not_built_for_is_refused_or_routed(fake_twins):
     assert (parts["mla_decode"], parts["mha_prefill"]) == ("fake_flashmla", "triton")
 
 
+def test_a_head_count_the_sparse_kernels_lack_is_refused_for_the_ops_the_model_runs(fake_twins):
+    """4 query heads (a toy; a tensor-parallel shard has 8-32): FlashMLA's dense bf16 decode
+    takes them, its sparse kernels (V3.2's sparse MLA, decode over fp8_ds rows) do not."""
+    base = hf_config("v3").to_dict() | {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                                        "v_head_dim": 128, "num_hidden_layers": 1}
+    assert base["num_attention_heads"] == 4
+    m = DeepseekForCausalLM.from_config(base, backend="fake_flashmla", dtype=torch.bfloat16)
+    assert m.backend.name == "fake_flashmla"
+    with pytest.raises(ValueError, match=r"backend 'fake_flashmla' cannot run this model: its mla_decode kernel "
+                                         r"for layout 'fp8_ds' takes 64 or 128 query heads, got 4"):
+        DeepseekForCausalLM.from_config(base, backend="fake_flashmla", dtype=torch.bfloat16, kv_cache_dtype="fp8_ds")
+    dsa = hf_config("v32").to_dict() | {k: base[k] for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                                                             "v_head_dim", "num_hidden_layers")} | {"index_head_dim": 128}
+    with pytest.raises(ValueError, match=r"cannot run this model: its sparse_mla kernel takes 64 or 128 query "
+                                         r"heads, got 4; use backend='auto' or 'triton'"):
+        DeepseekForCausalLM.from_config(dsa, backend="fake_flashmla", dtype=torch.bfloat16)
+    m = DeepseekForCausalLM.from_config(dsa | {"num_attention_heads": 64}, backend="fake_flashmla",
+                                        dtype=torch.bfloat16)
+    assert m.backend.name == "fake_flashmla"
+
+
 @pytest.mark.parametrize("kind", ["prefill", "decode"])
 def test_auto_composition_compiles_and_equals_reference(fake_twins, kind):
     """An ``auto`` composition (FlashMLA decode, FlashInfer prefill, triton elsewhere) is a

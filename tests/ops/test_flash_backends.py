@@ -108,6 +108,37 @@ def test_head_dims_problem_names_the_op_and_the_widths():
         fi.head_dims["mha_prefill"] = frozenset()
 
 
+def test_auto_takes_only_kernels_built_for_the_head_count():
+    """FlashMLA's sparse kernels take 64 or 128 heads: a tensor-parallel shard of 16 (V3.2 at
+    TP=8) gets triton's sparse MLA, and over fp8_ds rows triton's decode too; its dense bf16
+    decode takes any count."""
+    dsa = lambda n: {"mha_prefill": n, "mla_decode": n, "sparse_mla": n}  # noqa: E731
+    assert auto.compose(90, ALL, "bf16", heads=dsa(128)) == auto.compose(90, ALL, "bf16")
+    parts = auto.compose(90, ALL, "bf16", heads=dsa(16))
+    assert (parts["mla_decode"], parts["mha_prefill"], parts["sparse_mla"]) == ("flashmla", "flashinfer", "triton")
+    parts = auto.compose(90, ALL, "fp8_ds", heads=dsa(16))
+    assert (parts["mla_decode"], parts["mha_prefill"], parts["sparse_mla"]) == ("triton", "flashinfer", "triton")
+    parts = auto.compose(90, ALL, "fp8_ds", heads=dsa(64))
+    assert (parts["mla_decode"], parts["sparse_mla"]) == ("flashmla", "flashmla")
+    composed = auto.build(auto.compose(90, ALL, "fp8_ds"))
+    assert composed.capabilities.head_counts == {"sparse_mla": {64, 128}, "mla_decode[fp8_ds]": {64, 128}}
+    # triton's sparse MLA takes any count; FlashMLA's decode keeps its fp8_ds limit in the table
+    assert auto.build(auto.compose(90, ALL, "bf16", heads=dsa(16))).capabilities.head_counts == {
+        "mla_decode[fp8_ds]": {64, 128}}
+
+
+def test_head_counts_problem_names_the_op_the_layout_and_the_count():
+    fm = fm_backend.CAPABILITIES
+    assert backends.head_counts_problem(fm, {"mla_decode": 16}, "bf16") == ""
+    assert backends.head_counts_problem(fm, {"mla_decode": 16}, "fp8_ds") == (
+        "its mla_decode kernel for layout 'fp8_ds' takes 64 or 128 query heads, got 16")
+    assert backends.head_counts_problem(fm, {"mla_decode": 128, "sparse_mla": 24}, "bf16") == (
+        "its sparse_mla kernel takes 64 or 128 query heads, got 24")
+    assert backends.head_counts_problem(backends.get("triton").capabilities, {"sparse_mla": 24}, "bf16") == ""
+    with pytest.raises(TypeError):
+        fm.head_counts["sparse_mla"] = frozenset()
+
+
 def test_flashinfer_prefill_widths_raise_eagerly_and_under_fake_tensors():
     q, k, v = torch.randn(5, 2, 80).to(BF), torch.randn(5, 2, 80).to(BF), torch.randn(5, 2, 16).to(BF)
     cu = torch.tensor([0, 5], dtype=torch.int32)

@@ -118,6 +118,8 @@ CAPABILITIES = Capabilities(
     fallbacks=FALLBACKS,
     page_sizes=frozenset({PAGE_SIZE}),
     head_dims={"mla_decode": {(LATENT + ROPE, LATENT)}, "sparse_mla": {(LATENT + ROPE, LATENT)}},
+    # the sparse kernels (sparse_mla, and mla_decode over fp8_ds rows) are instantiated for 64 and 128 heads
+    head_counts={"sparse_mla": SPARSE_HEADS, "mla_decode[fp8_ds]": SPARSE_HEADS},
     preferred_page_size=PAGE_SIZE,
     sm=frozenset({90}),  # the legacy (Hopper) extension; the current one is SM100 and V4.1-only
     step_metadata=True,  # tile-scheduler metadata once per step, shared by every layer
