@@ -23,8 +23,9 @@ How:
   step captured in a CUDA graph and replayed). Each is checked against ``reference/eager`` on
   the same caches first (relative error of the logits; a failed check is reported, not timed).
   Times: the median of triton.testing.do_bench (eager, compiled) or of CUDA-graph replays.
-- Kernel rows (unless --no-kernels): each new triton kernel (swa/hca/csa_decode, and the fused
-  RoPE + window write at V4's dims) beside the reference op's plain PyTorch, eager and under
+- Kernel rows (unless --no-kernels): each new triton kernel (swa/hca/csa_decode, the three
+  compressors at decode B=128 and an 8K prefill, and the fused RoPE + window write at V4's
+  dims) beside the reference op's plain PyTorch, eager and under
   torch.compile, through benchmarks/kernels.py's Runner (checked before timed).
 
 DIR/v4_decode.json and DIR/v4_decode.md are rewritten after every point, so a run cut short
@@ -171,6 +172,44 @@ def bench_point(models, compiled, caches, args, batch_size, ctx, rows, out):
 # ---------------------------------------------------------------------------------------------
 # kernel rows
 
+# V4-Flash's compressors: (entry width, compress rate, overlap, entry dtype); RoPE on the last 64
+COMPRESSORS = {"csa": (512, 4, True, torch.bfloat16), "hca": (512, 128, False, torch.bfloat16),
+               "indexer": (128, 4, True, torch.float32)}
+
+
+def compressor_case(kind: str, batch_size: int, tokens: int, ctx: int, device, *, page_size: int = 64,
+                    dims=None, seed: int = 0):
+    """``compressor_update`` arguments for B requests, each with ``ctx`` tokens already in a
+    random state cache (no prefill needed: pooling cost does not depend on the values) and
+    ``tokens`` new ones, pages in order. Returns (args, the compressed cache they write, the
+    bytes the op must move: the new state rows and, per closed entry, its slots and its row)."""
+    from mlagraph.ops.rope import rope_cos_sin_cache
+
+    width, rate, overlap, entry_dtype = dims or COMPRESSORS[kind]
+    rope = min(64, width // 2)
+    c = 2 * width if overlap else width
+    per = -(-(ctx + tokens) // page_size)
+    num_pages = batch_size * per
+    g = torch.Generator(device=device).manual_seed(seed)
+    state = torch.randn(num_pages, page_size, 2 * c, generator=g, device=device)
+    comp = torch.zeros(num_pages, v4_layouts.entries_per_page(page_size, rate), width, dtype=entry_dtype,
+                       device=device)
+    table = torch.arange(num_pages, dtype=torch.int32, device=device).view(batch_size, per)
+    pos = (ctx + torch.arange(tokens, device=device)).repeat(batch_size)
+    req = torch.arange(batch_size, dtype=torch.int32, device=device).repeat_interleave(tokens)
+    slots = table.long()[req.long(), pos // page_size] * page_size + pos % page_size
+    kv = torch.randn(batch_size * tokens, c, generator=g, device=device).bfloat16()
+    gate = torch.randn(batch_size * tokens, c, generator=g, device=device).bfloat16()
+    bias = torch.randn(rate, c, generator=g, device=device)
+    norm_w = torch.rand(width, generator=g, device=device).to(entry_dtype) + 0.5
+    cos_sin = rope_cos_sin_cache(rope, ctx + tokens, 160000.0, device=device)
+    args = (kv, gate, bias, norm_w, cos_sin, pos, req, slots, table, state, comp, rate, overlap, 1e-6)
+    closed = int(((pos + 1) % rate == 0).sum())
+    slots_per_entry = 2 * rate if overlap else rate
+    nbytes = batch_size * tokens * (2 * c * 2 + 2 * c * 4) + closed * (slots_per_entry * 2 * width * 4
+                                                                       + width * comp.element_size())
+    return args, comp, nbytes
+
 
 def bench_kernels(out_rows, args):
     """Each new kernel at V4-Flash dims beside the reference op's plain PyTorch, eager and Inductor."""
@@ -198,6 +237,22 @@ def bench_kernels(out_rows, args):
             run.run("eager", lambda body=body, a=a: body(*a), check)
             run.peer("inductor", lambda body=body, a=a: (lambda f=K.inductor(body): lambda: f(*a))(), check)
             del a, want
+            torch.cuda.empty_cache()
+    # the compressors: a decode step (B=128, every request closing a window at ctx 4096) and
+    # one 8K-token prefill, for CSA's, HCA's and the indexer's compressor
+    for kind in COMPRESSORS:
+        for batch_size, tokens in ((128, 1), (1, 8192)):
+            a, comp, nbytes = compressor_case(kind, batch_size, tokens, 4096 if tokens == 1 else 0, dev)
+            torch.ops.mlagraph.compressor_update(*a)
+            want = comp.clone()
+            label = f"decode B={batch_size} ctx=4096" if tokens == 1 else f"prefill T={tokens}"
+            run = K.Runner(rows, f"v4 {kind} compressor {label}", 0.0, nbytes, tol=1e-2)
+            check = lambda o, want=want: K.rel_err(o, want)  # noqa: E731
+            body = K.reference_body("compressor", "compressor_update")
+            run.run("triton", lambda a=a, comp=comp: (torch.ops.mlagraph_triton.compressor_update(*a), comp)[1], check)
+            run.run("eager", lambda a=a, comp=comp: (body(*a), comp)[1], check)
+            run.peer("inductor", lambda a=a, comp=comp: (lambda f=K.inductor(body): lambda: (f(*a), comp)[1])(), check)
+            del a, comp, want
             torch.cuda.empty_cache()
     # the fused front at V4's dims: q [T, 64, 448 | 64], one K=V row [448 | 64], window cache
     cos_sin = rope_cos_sin_cache(64, 8192, 10000.0, device=dev)
