@@ -7,7 +7,8 @@ step as the model's own ``forward`` does, part by part, each part a compiled *re
     for each layer i:
         h = layer.attention_block(h, batch, ...)       one graph per (attention kind, batch variant)
         h = layer.mlp_block(h, ...)                    one graph per MLP kind (dense, MoE; V4: hash)
-    head(h, logits_indices [N]) -> logits [N, V]       one graph
+    head(h, logits_indices [N]) -> logits [N, V]       one graph (``with_head``: another head,
+                                                       the same embed / layer graphs)
 
 A region is compiled with the layer module as an *argument*: its parameters and buffers are
 graph inputs, not constants, so the graph compiled at the first layer of a kind runs every
@@ -65,6 +66,14 @@ class Region:
 
         self._fn = torch.compile(_calls(method), backend=counting_compiler, **torch_compile_kwargs)
 
+    @property
+    def num_graphs(self) -> int:
+        return self.graphs
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.seconds
+
     def __call__(self, module, *args):
         if self.graphs:
             return self._fn(module, *args)
@@ -94,18 +103,30 @@ class RegionalStep:
     Attributes:
         fn: the model.
         regions: key -> :class:`Region`; keys are ("embed",), ("attention", kind, batch
-            variant), ("mlp", kind), ("head",).
+            variant), ("mlp", kind), ("head",) (("head", method) for a :meth:`with_head` step's
+            head). Shared with the steps :meth:`with_head` derives.
+        head: the model method that ends the step (``head``: logits).
         variants: the batch variants this step has run.
     """
 
-    def __init__(self, model, compiler: Callable, torch_compile_kwargs: dict):
+    def __init__(self, model, compiler: Callable, torch_compile_kwargs: dict, head: str = "head",
+                 regions: dict[Hashable, Region] | None = None):
         if not supports_regions(model):
             raise ValueError(f"mlagraph.compile: regional=True: expected a DeepSeek model (embed, layers, head), "
                              f"got {type(model).__name__}; pass regional=False to compile it whole")
+        if not callable(getattr(model, head, None)):
+            raise ValueError(f"RegionalStep: head: expected a method of {type(model).__name__}, got {head!r}")
         self.fn = model
-        self.regions: dict[Hashable, Region] = {}
+        self.head = head
+        self.regions: dict[Hashable, Region] = {} if regions is None else regions
         self.variants: set[Hashable] = set()
         self._compiler, self._kwargs = compiler, torch_compile_kwargs
+
+    def with_head(self, head: str) -> RegionalStep:
+        """The same step ending in ``model.<head>(h, logits_indices)`` instead of ``head``, sharing
+        this step's regions: its embedding, attention and MLP graphs are not compiled again, only
+        the new head is (speculative decoding's target and hidden-state steps)."""
+        return RegionalStep(self.fn, self._compiler, self._kwargs, head=head, regions=self.regions)
 
     @property
     def graphs(self) -> dict[Hashable, int]:
@@ -125,7 +146,7 @@ class RegionalStep:
     def _region(self, key: tuple, method: str) -> Region:
         region = self.regions.get(key)
         if region is None:
-            label = key[0] if key[0] in ("embed", "head") else f"{key[0]} ({key[1]})"
+            label = key[0] if len(key) == 1 else f"{key[0]} ({key[1]})"
             region = self.regions[key] = Region(label, method, self._compiler, self._kwargs)
         return region
 
@@ -147,7 +168,8 @@ class RegionalStep:
                 h = run(("attention", layer.attention_kind, variant), "attention_block", layer,
                         (h, batch, *model.attention_args(caches, i)), i)
                 h = run(("mlp", layer.mlp_kind), "mlp_block", layer, (h, *mlp_args), i)
-            logits = run(("head",), "head", model, (h, batch.logits_indices))
+            head_key = ("head",) if self.head == "head" else ("head", self.head)
+            logits = run(head_key, self.head, model, (h, batch.logits_indices))
         if ran is not None:
             self.variants.add(variant)
             # Filed when some region ran the passes now; a step whose new regions all came
@@ -196,3 +218,14 @@ def _spans(layers: list[int]) -> str:
             spans.append(str(start) if start == n else f"{start}-{n}")
             start = None
     return ", ".join(spans)
+
+
+def compiled_units(steps) -> list:
+    """The separately compiled things of ``steps`` (CompiledSteps, RegionalSteps), each once:
+    a RegionalStep counts as its regions, which steps made by ``with_head`` share. Each has
+    ``num_graphs`` and ``compile_seconds``."""
+    units: dict[int, object] = {}
+    for step in steps:
+        for unit in (step.regions.values() if isinstance(step, RegionalStep) else (step,)):
+            units.setdefault(id(unit), unit)
+    return list(units.values())

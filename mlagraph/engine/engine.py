@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..model.deepseek import DeepseekForCausalLM
+from ..regional import compiled_units
 from .block_manager import BlockManager
 from .model_runner import COMPILE_OPTIONS, ModelRunner
 from .request import GenerationOutput, Request, SamplingParams, StreamChunk, prompt_token_ids
@@ -191,13 +192,13 @@ class Engine:
         """Graphs dynamo compiled for this engine's steps so far: one per batch-plan variant the
         engine has run (0 without compile). Each engine owns its graphs: no other engine or
         model in the process adds to them or recompiles them."""
-        return sum(f.num_graphs for f in self.runner.compiled)
+        return sum(u.num_graphs for u in compiled_units(self.runner.compiled))
 
     @property
     def startup(self) -> Startup:
         """Compile and capture time so far (:class:`Startup`)."""
         r = self.runner
-        return Startup(compile_s=sum(f.compile_seconds for f in r.compiled), capture_s=r.capture_seconds)
+        return Startup(compile_s=sum(u.compile_seconds for u in compiled_units(r.compiled)), capture_s=r.capture_seconds)
 
     # --- the step API --------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from . import cuda_graphs as graphs
 from ..model.attention import KVCaches
 from ..model.batch import build_batch, plan_step
 from ..model.mtp import mtp_step, target_step
+from ..regional import RegionalStep
 from .request import Request
 from .sampler import draft, sample, verify
 
@@ -67,8 +68,13 @@ class MTPSpeculator:
             from ..compiler import compile as mlagraph_compile
 
             kw = dict(runner.compile_kwargs, attention_backend=model.backend.name)
-            self.target_fn, self.hidden_fn, self.mtp_fn = (
-                mlagraph_compile(f, **kw) for f in (self.target_fn, self.hidden_fn, self.mtp_fn))
+            if isinstance(runner.step_fn, RegionalStep) and not runner.inductor_graphs:
+                # the engine's own step with other heads: its layer graphs serve these steps too
+                self.target_fn = runner.step_fn.with_head("target_head")
+                self.hidden_fn = runner.step_fn.with_head("hidden_head")
+            else:
+                self.target_fn, self.hidden_fn = (mlagraph_compile(f, **kw) for f in (self.target_fn, self.hidden_fn))
+            self.mtp_fn = mlagraph_compile(self.mtp_fn, **kw)  # one layer: compiled whole, flat in depth
             runner.compiled += [self.target_fn, self.hidden_fn, self.mtp_fn]
         self.draft_hook: Callable[[Request, list[int]], list[int]] | None = None
         self.verify_graphs = self.catchup_graphs = self.chain_graphs = None

@@ -394,7 +394,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def hidden_states(self, batch: Batch, caches: KVCaches) -> torch.Tensor:
         """One step's final hidden states, after the final norm, at batch.logits_indices: [N, D]."""
-        return self.model.norm(self.layers_out(batch, caches)[batch.logits_indices])
+        return self.hidden_head(self.layers_out(batch, caches), batch.logits_indices)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> hidden states [T, D]."""
@@ -405,7 +405,17 @@ class DeepseekForCausalLM(nn.Module):
 
     def head(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """h [T, D], logits_indices [N] -> float32 logits [N, V]."""
-        return self.logits(self.model.norm(h[logits_indices]))
+        return self.logits(self.hidden_head(h, logits_indices))
+
+    def hidden_head(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """h [T, D], logits_indices [N] -> the final norm's output [N, D] (what the MTP layer reads)."""
+        return self.model.norm(h[logits_indices])
+
+    def target_head(self, h: torch.Tensor, logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, D], logits_indices [N] -> (float32 logits [N, V], normed hidden states [N, D]):
+        a speculative verify step's outputs (mlagraph.model.mtp.target_step)."""
+        hn = self.hidden_head(h, logits_indices)
+        return self.logits(hn), hn
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [N, D] (normed) -> float32 logits [N, V]."""

@@ -66,5 +66,4 @@ def mtp_step(model, batch: Batch, caches: KVCaches, hidden: torch.Tensor) -> tor
 def target_step(model, batch: Batch, caches: KVCaches) -> tuple[torch.Tensor, torch.Tensor]:
     """The main model's step with its hidden states: float32 logits [N, V] and the normed
     final hidden states [N, D] at ``batch.logits_indices`` (what the MTP layer reads)."""
-    h = model.hidden_states(batch, caches)
-    return model.logits(h), h
+    return model.target_head(model.layers_out(batch, caches), batch.logits_indices)

@@ -284,6 +284,32 @@ def test_compiled_speculation_equals_no_speculation(models):
     assert engine.compiled_graphs > 0
 
 
+def test_compiled_speculation_shares_the_layer_graphs_and_stays_flat_in_depth():
+    """The verify and hidden-state steps are the engine's regional step with other heads: the
+    same embedding, attention and MLP graphs (compiled once), and as many graphs at 4 layers as
+    at 2."""
+    from mlagraph.regional import RegionalStep
+
+    prompts = _prompts(13, [5, 9])
+    counts = {}
+    for layers in (2, 4):
+        model = DeepseekForCausalLM.from_config({**mtp_config("v3"), "num_hidden_layers": layers})
+        want = _engine(model).generate(prompts, max_new_tokens=4, ignore_eos=True)
+        engine = _engine(model, speculative="mtp", num_speculative_tokens=2, compile=True,
+                         compile_backend="mlagraph_eager")
+        _assert_same(engine.generate(prompts, max_new_tokens=4, ignore_eos=True), want)
+        spec, step = engine.speculator, engine.runner.step_fn
+        assert isinstance(spec.target_fn, RegionalStep) and spec.target_fn.regions is step.regions
+        assert spec.hidden_fn.regions is step.regions
+        heads = sorted(k for k in step.regions if k[0] == "head")
+        # without CUDA graphs every step reads the hidden states (logits taken from them); the
+        # target head serves the captured verify steps
+        assert heads == [("head", "hidden_head")]
+        assert all(r.graphs == 1 for r in step.regions.values())  # nothing compiled twice
+        counts[layers] = engine.compiled_graphs
+    assert counts[2] == counts[4] > 0
+
+
 # --- arguments -----------------------------------------------------------------------------------
 
 
