@@ -14,7 +14,8 @@ reading the capability table costs nothing:
 - :mod:`.prefill`    ``mha_prefill`` (ragged causal flash attention with prefix)
 - :mod:`.sparse`     ``sparse_mla``
 - :mod:`.indexer`    ``indexer_cache_write``, ``indexer_topk``
-- :mod:`.swa_decode` ``swa_decode``, ``hca_decode``, ``csa_decode`` (DeepSeek-V4's decode attentions)
+- :mod:`.sink_attention` ``swa_decode``, ``hca_decode``, ``csa_decode`` and the prefill forms
+  ``swa_attention``, ``hca_attention``, ``csa_attention`` (DeepSeek-V4's attentions, one kernel)
 - :mod:`.compressor` ``compressor_update`` (DeepSeek-V4's compressors: state rows, pooled entries)
 
 Kernels run on CUDA tensors. CPU tensors run through Triton's interpreter, which Triton turns on
@@ -28,7 +29,7 @@ import importlib.util
 
 # Aliased: the kernel modules below share these names (mlagraph.ops.triton.decode is ours).
 from .. import cache as _cache, decode as _decode, indexer as _indexer, prefill as _prefill, rope as _rope
-from .. import compressor as _compressor, sparse as _sparse, swa_decode as _swa_decode
+from .. import compressor as _compressor, sparse as _sparse, swa as _swa, swa_decode as _swa_decode
 from ..backends import GENERIC_OPS, V4_OPS, Backend, Capabilities, op_names_for, register
 from ..twins import define_twin
 
@@ -50,9 +51,12 @@ _OPS = {
     "sparse_mla": ("sparse", _sparse._check_sparse_mla, _sparse.sparse_mla_fake),
     "indexer_cache_write": ("indexer", _indexer._check_indexer_cache_write, _indexer.indexer_cache_write_fake),
     "indexer_topk": ("indexer", _indexer._check_indexer_topk, _indexer.indexer_topk_fake),
-    "swa_decode": ("swa_decode", _swa_decode.check_swa_decode, _swa_decode.swa_decode_fake),
-    "hca_decode": ("swa_decode", _swa_decode.check_hca_decode, _swa_decode.hca_decode_fake),
-    "csa_decode": ("swa_decode", _swa_decode.check_csa_decode, _swa_decode.csa_decode_fake),
+    "swa_decode": ("sink_attention", _swa_decode.check_swa_decode, _swa_decode.swa_decode_fake),
+    "hca_decode": ("sink_attention", _swa_decode.check_hca_decode, _swa_decode.hca_decode_fake),
+    "csa_decode": ("sink_attention", _swa_decode.check_csa_decode, _swa_decode.csa_decode_fake),
+    "swa_attention": ("sink_attention", _swa._check_swa, _swa._swa_attention_fake),
+    "hca_attention": ("sink_attention", _swa._check_hca, _swa._hca_attention_fake),
+    "csa_attention": ("sink_attention", _swa._check_csa, _swa._csa_attention_fake),
     "compressor_update": ("compressor", _compressor._check_compressor, _compressor._compressor_update_fake),
 }
 
@@ -61,7 +65,7 @@ for _generic, (_module, _check, _fake) in _OPS.items():
     define_twin(NAMESPACE, _generic, _check, _fake, f"{__name__}.{_module}")
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
-# No kernel of ours: the reference op (V4's prefill attentions and CSA indexer among them).
+# No kernel of ours: the reference op (V4's CSA indexer and window-cache write among them).
 _FALLBACKS = {g: "reference" for g in ("moe", *V4_OPS) if g not in _OPS}
 
 TRITON = register(

@@ -13,7 +13,8 @@ from triton.runtime.jit import JITFunction
 from mlagraph.ops import backends
 from mlagraph.ops.triton import _launch
 
-V4_KERNELS = ("swa_decode", "hca_decode", "csa_decode", "compressor_update")
+V4_KERNELS = ("swa_decode", "hca_decode", "csa_decode", "swa_attention", "hca_attention", "csa_attention",
+              "compressor_update")
 
 
 def test_registered_and_available():

@@ -1,4 +1,5 @@
-"""Triton ``swa_decode``, ``hca_decode``, ``csa_decode``: DeepSeek-V4's decode attentions.
+"""Triton ``swa_decode``, ``hca_decode``, ``csa_decode`` and their prefill forms ``swa_attention``,
+``hca_attention``, ``csa_attention``: DeepSeek-V4's attentions.
 
 Math (see :mod:`mlagraph.ops.swa`): one shared K=V row per key, per-head sinks,
 
@@ -7,6 +8,11 @@ Math (see :mod:`mlagraph.ops.swa`): one shared K=V row per key, per-head sinks,
 over the query's window keys (positions ``pos-window+1 .. pos``) and, in the same softmax, the
 compressed entries it sees: all closed ones (HCA, ``(i+1)·m <= pos+1``) or the closed ones at
 ``topk_indices`` (CSA). Query i of request b sits at ``pos = seq_lens[b] - s_q + i``.
+
+The prefill forms run the same kernel with ``PER_TOKEN``: each of the T tokens is one query
+row at ``positions[t]`` over block-table row ``req_ids[t]`` (grid ``(cdiv(H, BLOCK_H), 1, T)``).
+V4's attention is MQA, so one token's BLOCK_H heads already make a tensor-core tile against
+each key row; neighbouring tokens re-read overlapping windows, from L2.
 
 One kernel, ``_sink_decode_kernel``, for the three ops (MODE 0 / 1 / 2), grid
 ``(cdiv(H, BLOCK_H), s_q, B)``, fixed from shapes. A program owns BLOCK_H heads of one query: the
@@ -71,7 +77,7 @@ def _attend(qt, rows, valid, m_i, l_i, acc, qk_scale, D: tl.constexpr, BD: tl.co
 
 @triton.jit
 def _sink_decode_kernel(
-    q, window, compressed, topk, sinks, block_table, seq_lens, out, lse,
+    q, window, compressed, topk, sinks, block_table, seq_lens, positions, req_ids, out, lse,
     qk_scale,  # softmax_scale * log2(e)
     stride_q_b, stride_q_s, stride_q_h, stride_w_page, stride_w_tok, stride_c_page, stride_c_row,
     stride_tk_b, stride_tk_s, stride_bt_b, stride_bt_p, stride_o_b, stride_o_s, stride_o_h, stride_l_b, stride_l_s,
@@ -79,13 +85,18 @@ def _sink_decode_kernel(
     K,  # top-k entries per query (CSA)
     S_Q: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, PAGE: tl.constexpr,
     WINDOW: tl.constexpr, RATE: tl.constexpr, MODE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    F32: tl.constexpr,
+    F32: tl.constexpr, PER_TOKEN: tl.constexpr,
 ):
     head_block = tl.program_id(0)
     i = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)  # the request (decode) or the token (PER_TOKEN: prefill)
     DOT_DTYPE: tl.constexpr = tl.float32 if F32 else q.dtype.element_ty
-    pos = tl.load(seq_lens + b) - S_Q + i  # < 0: a padding request, no key
+    if PER_TOKEN:  # token b of a ragged batch: its own position and block-table row
+        pos = tl.load(positions + b).to(tl.int32)
+        table_row = tl.load(req_ids + b).to(tl.int64)
+    else:
+        pos = tl.load(seq_lens + b) - S_Q + i  # < 0: a padding request, no key
+        table_row = b
 
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = offs_h < H
@@ -98,7 +109,7 @@ def _sink_decode_kernel(
     l_i = tl.full([BLOCK_H], 1.0, tl.float32)  # exp2(sink - m_i): the sink's term, no value
     acc = tl.zeros([BLOCK_H, BD], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    bt_row = block_table + b * stride_bt_b
+    bt_row = block_table + table_row * stride_bt_b
 
     # the window: positions max(pos - WINDOW + 1, 0) .. pos
     lo = tl.maximum(pos - WINDOW + 1, 0)
@@ -159,8 +170,11 @@ def default_config(batch: int, s_q: int, heads: int, q_dtype: torch.dtype, num_s
 
 
 def _launch(mode, q, kv_cache, compressed, topk, sinks, block_table, seq_lens, window, rate, softmax_scale,
-            config=None):
-    op = ("swa_decode", "hca_decode", "csa_decode")[mode]
+            config=None, positions=None, req_ids=None):
+    """q [B, s_q, H, D] with seq_lens [B] (decode), or with positions / req_ids [B] and s_q = 1
+    (per token: the prefill ops' T tokens as B rows)."""
+    per_token = positions is not None
+    op = ("swa", "hca", "csa")[mode] + ("_attention" if per_token else "_decode")
     check_runnable(op, _sink_decode_kernel, q)
     batch, s_q, heads, dim = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -178,13 +192,18 @@ def _launch(mode, q, kv_cache, compressed, topk, sinks, block_table, seq_lens, w
         compressed = kv_cache  # unused (MODE 0): any pointer
     elif compressed.stride(-1) != 1:
         compressed = compressed.contiguous()
-    seq_lens = seq_lens.contiguous()
+    if per_token:
+        positions, req_ids = positions.contiguous(), req_ids.contiguous()
+        seq_lens = req_ids  # unused: any int32 pointer
+    else:
+        seq_lens = seq_lens.contiguous()
+        positions = req_ids = seq_lens  # unused
     if topk is None:
         topk = seq_lens.view(1, 1, -1)  # unused (MODE 0 / 1): any int32 pointer
     page_size = kv_cache.shape[1]
     grid = (triton.cdiv(heads, cfg["BLOCK_H"]), s_q, batch)
     _sink_decode_kernel[grid](
-        q, kv_cache, compressed, topk, sinks, block_table, seq_lens, out, lse,
+        q, kv_cache, compressed, topk, sinks, block_table, seq_lens, positions, req_ids, out, lse,
         softmax_scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1), compressed.stride(0),
         compressed.stride(1), topk.stride(0), topk.stride(1), block_table.stride(0), block_table.stride(1),
@@ -192,7 +211,8 @@ def _launch(mode, q, kv_cache, compressed, topk, sinks, block_table, seq_lens, w
         block_table.shape[1] * page_size, topk.shape[-1],
         S_Q=s_q, H=heads, D=dim, BD=max(16, triton.next_power_of_2(dim)), PAGE=page_size, WINDOW=window,
         RATE=max(rate, 1), MODE=mode, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-        F32=q.dtype == torch.float32 or interpreted, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        F32=q.dtype == torch.float32 or interpreted, PER_TOKEN=per_token, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return out, lse
 
@@ -217,3 +237,33 @@ def csa_decode(q, kv_cache, compressed_cache, topk_indices, sinks, block_table, 
         topk_indices = topk_indices.contiguous()
     return _launch(CSA, q, kv_cache, compressed_cache, topk_indices, sinks, block_table, seq_lens, window,
                    compress_rate, softmax_scale, config)
+
+
+# The prefill (ragged, any number of tokens per request) forms: every token one query row of
+# the same kernel, at its own position, over its request's block-table row.
+
+
+def _per_token(mode, q, kv_cache, compressed, topk, sinks, positions, req_ids, block_table, window, rate,
+               softmax_scale, config):
+    if topk is not None:
+        topk = (topk if topk.stride(-1) == 1 else topk.contiguous())[:, None, :]
+    out, lse = _launch(mode, q[:, None], kv_cache, compressed, topk, sinks, block_table, None, window, rate,
+                       softmax_scale, config, positions=positions, req_ids=req_ids)
+    return out[:, 0], lse[:, 0]
+
+
+def swa_attention(q, kv_cache, sinks, positions, req_ids, block_table, window, softmax_scale, *, config=None):
+    return _per_token(SWA, q, kv_cache, None, None, sinks, positions, req_ids, block_table, window, 0,
+                      softmax_scale, config)
+
+
+def hca_attention(q, kv_cache, compressed_cache, sinks, positions, req_ids, block_table, window, compress_rate,
+                  softmax_scale, *, config=None):
+    return _per_token(HCA, q, kv_cache, compressed_cache, None, sinks, positions, req_ids, block_table, window,
+                      compress_rate, softmax_scale, config)
+
+
+def csa_attention(q, kv_cache, compressed_cache, topk_indices, sinks, positions, req_ids, block_table, window,
+                  compress_rate, softmax_scale, *, config=None):
+    return _per_token(CSA, q, kv_cache, compressed_cache, topk_indices, sinks, positions, req_ids, block_table,
+                      window, compress_rate, softmax_scale, config)
