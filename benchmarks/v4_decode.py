@@ -23,8 +23,8 @@ How:
   step captured in a CUDA graph and replayed). Each is checked against ``reference/eager`` on
   the same caches first (relative error of the logits; a failed check is reported, not timed).
   Times: the median of triton.testing.do_bench (eager, compiled) or of CUDA-graph replays.
-- Kernel rows (unless --no-kernels): each new triton kernel (swa/hca/csa_decode, the three
-  compressors at decode B=128 and an 8K prefill, and the fused RoPE + window write at V4's
+- Kernel rows (unless --no-kernels): each new triton kernel (swa/hca/csa_decode, their
+  prefill forms over one 4096-token prompt, the three compressors at decode B=128 and an 8K prefill, and the fused RoPE + window write at V4's
   dims) beside the reference op's plain PyTorch, eager and under
   torch.compile, through benchmarks/kernels.py's Runner (checked before timed).
 
@@ -238,6 +238,27 @@ def bench_kernels(out_rows, args):
             run.peer("inductor", lambda body=body, a=a: (lambda f=K.inductor(body): lambda: f(*a))(), check)
             del a, want
             torch.cuda.empty_cache()
+    # the prefill forms: one 4096-token prompt, every token at its own position
+    from tests.ops.triton.test_sink_attention_prefill import flash_prefill
+
+    for kind, rate, topk in (("swa", 4, 1), ("hca", 128, 1), ("csa", 4, 512)):
+        cpu_args = flash_prefill(kind, [4096], torch.bfloat16, seed=3)
+        a = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in cpu_args]
+        p = torch.arange(4096)
+        keys = (p + 1).clamp(max=128) + ((p + 1) // rate if kind == "hca" else
+                                         ((p + 1) // rate).clamp(max=topk) if kind == "csa" else 0)
+        flops = float(keys.sum()) * 64 * 512 * 4
+        nbytes = 4096 * (2 * 64 * 512 * 2 + 512 * 2) + 4096 // rate * 512 * 2 * (kind != "swa")
+        run = K.Runner(rows, f"v4 {kind}_attention prefill T=4096", flops, nbytes, tol=2e-2)
+        want = getattr(torch.ops.mlagraph, f"{kind}_attention")(*a)[0]
+        check = lambda o, want=want: K.rel_err(o[0], want)  # noqa: E731
+        ours = getattr(torch.ops.mlagraph_triton, f"{kind}_attention")
+        body = K.reference_body("swa", f"{kind}_attention")
+        run.run("triton", lambda ours=ours, a=a: ours(*a), check)
+        run.run("eager", lambda body=body, a=a: body(*a), check)
+        run.peer("inductor", lambda body=body, a=a: (lambda f=K.inductor(body): lambda: f(*a))(), check)
+        del a, want
+        torch.cuda.empty_cache()
     # the compressors: a decode step (B=128, every request closing a window at ctx 4096) and
     # one 8K-token prefill, for CSA's, HCA's and the indexer's compressor
     for kind in COMPRESSORS:
