@@ -175,7 +175,7 @@ mlagraph_triton.compressor_update(kv=_, gate=_, position_bias=in16, norm_weight=
 mlagraph_triton.compressor_update(kv=_, gate=_, position_bias=in24, norm_weight=in25, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in26!, compressed_cache=in27!, compress_rate=2, overlap=True, eps=1e-06)
 v1 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v2 = aten.cat([_, v1.0], -1)
-v3 = mlagraph.csa_indexer_topk(q=v2, weights=_, index_cache=in27', positions=in11, req_ids=in18, block_table=in19, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
+v3 = mlagraph_triton.csa_indexer_topk(q=v2, weights=_, index_cache=in27', positions=in11, req_ids=in18, block_table=in19, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
 v4 = mlagraph_triton.csa_decode(q=v0.0~, kv_cache=in12', compressed_cache=in21', topk_indices=v3~, sinks=in30, block_table=in19, seq_lens=in31, window=6, compress_rate=2, softmax_scale=0.25)
 v5 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
 v6 = aten.cat([v4.0~, _], -1)

@@ -13,7 +13,7 @@ reading the capability table costs nothing:
 - :mod:`.decode`     ``mla_decode`` (split-KV over the paged cache, fixed grid)
 - :mod:`.prefill`    ``mha_prefill`` (ragged causal flash attention with prefix)
 - :mod:`.sparse`     ``sparse_mla``
-- :mod:`.indexer`    ``indexer_cache_write``, ``indexer_topk``
+- :mod:`.indexer`    ``indexer_cache_write``, ``indexer_topk``, ``csa_indexer_topk`` (V4's, same kernels)
 - :mod:`.sink_attention` ``swa_decode``, ``hca_decode``, ``csa_decode`` and the prefill forms
   ``swa_attention``, ``hca_attention``, ``csa_attention`` (DeepSeek-V4's attentions, one kernel)
 - :mod:`.compressor` ``compressor_update`` (DeepSeek-V4's compressors: state rows, pooled entries)
@@ -58,6 +58,7 @@ _OPS = {
     "hca_attention": ("sink_attention", _swa._check_hca, _swa._hca_attention_fake),
     "csa_attention": ("sink_attention", _swa._check_csa, _swa._csa_attention_fake),
     "compressor_update": ("compressor", _compressor._check_compressor, _compressor._compressor_update_fake),
+    "csa_indexer_topk": ("indexer", _compressor._check_indexer, _compressor._csa_indexer_topk_fake),
 }
 
 
@@ -65,7 +66,7 @@ for _generic, (_module, _check, _fake) in _OPS.items():
     define_twin(NAMESPACE, _generic, _check, _fake, f"{__name__}.{_module}")
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
-# No kernel of ours: the reference op (V4's CSA indexer and window-cache write among them).
+# No kernel of ours: the reference op (V4's MoE and window-cache write among them).
 _FALLBACKS = {g: "reference" for g in ("moe", *V4_OPS) if g not in _OPS}
 
 TRITON = register(

@@ -448,3 +448,23 @@ def indexer_topk(q, weights, k_cache, req_ids, positions, block_table, layout, t
         else:
             _select_triton(scores, positions[t0:t1], max_len, topk, out[t0:t1], cfg)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V4's CSA indexer: the same two stages over the compressed index keys
+
+
+def csa_indexer_topk(q, weights, index_cache, positions, req_ids, block_table, page_size, compress_rate, topk,
+                     softmax_scale, *, config: IndexerConfig | None = None) -> torch.Tensor:
+    """``mlagraph::csa_indexer_topk`` (arguments checked by its check) as :func:`indexer_topk`.
+
+    The index cache ``[num_pages, E, Di]`` is a paged key cache whose "positions" are entries:
+    entry e lives on block-table column ``e // E``, row ``e % E`` when pages hold E = page_size / m
+    entries, and on column ``e · m / page_size`` (one entry a page) when m exceeds the page, which
+    a strided view of the block table turns into column e. A token at position p sees the
+    entries closed by p, e <= (p + 1) // m - 1: that is the position the selection is given.
+    The softmax scale is positive, so it folds into the head weights (relu(x)·s·w = relu(x)·(s·w)).
+    """
+    table = block_table[:, :: compress_rate // page_size] if compress_rate > page_size else block_table
+    last = torch.div(positions.long() + 1, compress_rate, rounding_mode="floor") - 1
+    return indexer_topk(q, weights * softmax_scale, index_cache, req_ids, last, table, "bf16", topk, config)

@@ -14,7 +14,7 @@ from mlagraph.ops import backends
 from mlagraph.ops.triton import _launch
 
 V4_KERNELS = ("swa_decode", "hca_decode", "csa_decode", "swa_attention", "hca_attention", "csa_attention",
-              "compressor_update")
+              "compressor_update", "csa_indexer_topk")
 
 
 def test_registered_and_available():
