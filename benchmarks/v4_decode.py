@@ -24,7 +24,7 @@ How:
   the same caches first (relative error of the logits; a failed check is reported, not timed).
   Times: the median of triton.testing.do_bench (eager, compiled) or of CUDA-graph replays.
 - Kernel rows (unless --no-kernels): each new triton kernel (swa/hca/csa_decode, their
-  prefill forms over one 4096-token prompt, the three compressors at decode B=128 and an 8K prefill, and the fused RoPE + window write at V4's
+  prefill forms over one 4096-token prompt, the CSA indexer at decode, the three compressors at decode B=128 and an 8K prefill, and the fused RoPE + window write at V4's
   dims) beside the reference op's plain PyTorch, eager and under
   torch.compile, through benchmarks/kernels.py's Runner (checked before timed).
 
@@ -259,6 +259,23 @@ def bench_kernels(out_rows, args):
         run.peer("inductor", lambda body=body, a=a: (lambda f=K.inductor(body): lambda: f(*a))(), check)
         del a, want
         torch.cuda.empty_cache()
+    # the CSA indexer (64 heads of 128, float32 keys, top-512): decode, 128 requests of 16K tokens
+    from tests.ops.triton.test_csa_indexer import flash_case
+
+    tokens = [(b, 16383) for b in range(128)]
+    cpu_args = flash_case([16384] * 128, tokens, seed=4)[:6]
+    a = [x.to(dev) for x in cpu_args] + [64, 4, 512, 128**-0.5]
+    nbytes = 128 * (16384 // 4) * 128 * 4 + 128 * 64 * (128 * 4 + 4) + 128 * 512 * 4
+    flops = 128 * (16384 // 4) * 64 * 128 * 2
+    run = K.Runner(rows, "v4 csa_indexer_topk decode B=128 ctx=16384 top-512", flops, nbytes, tol=1e-3)
+    want = torch.ops.mlagraph.csa_indexer_topk(*a)
+    # the same set of picks (ties aside): the fraction of picks not in the reference's
+    check = lambda o, want=want: 1.0 - float((torch.sort(o, 1)[0] == torch.sort(want, 1)[0]).float().mean())  # noqa: E731
+    run.run("triton", lambda a=a: torch.ops.mlagraph_triton.csa_indexer_topk(*a), check)
+    body = K.reference_body("compressor", "csa_indexer_topk")
+    run.run("eager", lambda a=a: body(*a), check)
+    del a, want
+    torch.cuda.empty_cache()
     # the compressors: a decode step (B=128, every request closing a window at ctx 4096) and
     # one 8K-token prefill, for CSA's, HCA's and the indexer's compressor
     for kind in COMPRESSORS:
