@@ -6,6 +6,10 @@ the contract fixes included) and the raw library call with its metadata made bef
 hand-written integration would run per layer). Every variant is checked against the reference
 op before it is timed; the note of a backend row gives its time over the raw kernel's (goal:
 within 3%). A library that is missing (or an API that moved) is a row with the reason.
+
+Queries are given as the model gives them: q_nope and q_pe are the two halves of the fused
+RoPE + cache-write op's one q (adjacent views), so a backend that reads q joined (FlashMLA)
+takes it in place, as in the decode graph; the raw calls get the joined tensor.
 """
 
 from __future__ import annotations
@@ -89,8 +93,9 @@ def bench_flash(rows, args, g):
         name = f"flash mla_decode H={h} B={b} L={ctx} s_q={s_q} bf16"
         print(name, flush=True)
         cache, _, table, lens = paged_cache("bf16", [ctx] * b, 64, g)
-        q_nope = torch.randn(b, s_q, h, L, device="cuda", dtype=torch.bfloat16)
-        q_pe = torch.randn(b, s_q, h, R, device="cuda", dtype=torch.bfloat16)
+        # q_nope and q_pe as the decode graph passes them: the two halves of the fused op's one q
+        q = torch.randn(b, s_q, h, L + R, device="cuda", dtype=torch.bfloat16)
+        q_nope, q_pe = q[..., :L], q[..., L:]
         args_ = (q_nope, q_pe, cache, table, lens, None, "bf16", SCALE)
         want = REF.mla_decode(*args_)[0] if h * b * ctx <= 128 * 128 * 1151 else torch.ops.mlagraph_triton.mla_decode(*args_)[0]
         check = lambda out: rel_err(out[0], want)  # noqa: E731
@@ -116,8 +121,8 @@ def bench_flash(rows, args, g):
             continue
         cache, _, table, lens = paged_cache(layout, [ctx], 64, g)
         idx = torch.stack([torch.randperm(ctx, device="cuda")[:topk] for _ in range(tokens)]).int()
-        q_nope = torch.randn(tokens, 128, L, device="cuda", dtype=torch.bfloat16)
-        q_pe = torch.randn(tokens, 128, R, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(tokens, 128, L + R, device="cuda", dtype=torch.bfloat16)
+        q_nope, q_pe = q[..., :L], q[..., L:]  # as the model passes them (halves of one q)
         req = torch.zeros(tokens, dtype=torch.int32, device="cuda")
         args_ = (q_nope, q_pe, cache, idx, req, table, None, layout, SCALE)
         want = torch.ops.mlagraph_triton.sparse_mla(*args_)[0]

@@ -23,8 +23,10 @@ def effective_lens(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size:
 
 def mask_empty(out: torch.Tensor, lse: torch.Tensor, empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """out [N, ..., L], lse [N, ...] float32, empty [N] bool -> out 0 and lse -inf where empty,
-    and lse -inf wherever the kernel reported a keyless query as +inf (FlashMLA's convention)."""
-    out.masked_fill_(empty.view(-1, *([1] * (out.dim() - 1))), 0.0)
+    and lse -inf wherever the kernel reported a keyless query as +inf (FlashMLA's convention).
+    On CUDA only the empty rows of out are written (:func:`mlagraph.ops.triton.paged.zero_rows_`)."""
+    if not (out.is_cuda and _triton_paged().zero_rows_(out, empty)):
+        out.masked_fill_(empty.view(-1, *([1] * (out.dim() - 1))), 0.0)
     keyless = empty.view(-1, *([1] * (lse.dim() - 1))) | torch.isposinf(lse)
     return out, lse.masked_fill(keyless, float("-inf"))
 
@@ -40,6 +42,22 @@ def flat_slots(block_table: torch.Tensor, positions: torch.Tensor, rows: torch.T
     pages = block_table.long()[rows.long()[:, None], p // page_size]
     ok = ok & (pages >= 0)
     return torch.where(ok, pages * page_size + p % page_size, -1).to(torch.int32)
+
+
+def flat_slots_padded(block_table: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, page_size: int,
+                      multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pad_last(flat_slots(...), multiple)`` [T, K'] int32 and the tokens with no key at all
+    ([T] bool): one Triton kernel on CUDA, the torch ops elsewhere."""
+    if positions.is_cuda:
+        return _triton_paged().flat_slots_padded(block_table, positions, rows, page_size, multiple)
+    idx = pad_last(flat_slots(block_table, positions, rows, page_size), multiple)
+    return idx, (idx < 0).all(1)
+
+
+def _triton_paged():
+    from .triton import paged  # Triton is there wherever a library backend runs (CUDA)
+
+    return paged
 
 
 def pad_last(t: torch.Tensor, multiple: int, value: int = -1) -> torch.Tensor:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .. import host_plan
-from .._paged import effective_lens, flat_slots, mask_empty, pad_last
+from .._paged import effective_lens, flat_slots, flat_slots_padded, mask_empty, pad_last
 from ..backends import hardware_problem
 from . import CAPABILITIES, LATENT, LIBRARY
 
@@ -140,8 +140,7 @@ def sparse_mla(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale
         return q_nope.new_empty(q_nope.shape), q_nope.new_empty((0, heads), dtype=torch.float32)
     pages, page_size, width = kv_cache.shape
     block = _PREFILL_TOPK_BLOCK if layout == "bf16" else _TOPK_BLOCK
-    idx = pad_last(flat_slots(block_table, topk_indices, req_ids, page_size), block)  # [T, K']
-    empty = (idx < 0).all(1)
+    idx, empty = flat_slots_padded(block_table, topk_indices, req_ids, page_size, block)  # [T, K'], [T]
     q = _joined(q_nope, q_pe)
     if layout == "bf16":
         out, _, lse = fm.flash_mla_sparse_fwd(q, kv_cache.view(pages * page_size, 1, width), idx[:, None, :],
