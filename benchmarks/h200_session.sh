@@ -1,21 +1,37 @@
 #!/usr/bin/env bash
-# One call on the lent H200: install what the image lacks (carried wheels in .whl/), run the GPU
-# tests, then the kernel benchmark. Logs and results go to $OUT; the table prints last.
-#   bash benchmarks/h200_session.sh [pytest selection] -- [benchmarks/kernels.py args]
+# One call on a lent GPU machine: set up what the image lacks, run a slice of the GPU tests,
+# then (after "--") a benchmark. Logs, JUnit XML and results go to $OUT; summaries print last.
+#
+#   bash benchmarks/h200_session.sh NAME [pytest args] [-- benchmark.py args]
+#   e.g. bash benchmarks/h200_session.sh ops tests/ops
+#        bash benchmarks/h200_session.sh none -- benchmarks/v4_decode.py --out $OUT/v4
+#
+# Setup: the carried packages (.carry/, built by the project's gpu-carry tool) when present,
+# else wheels in .whl/. Tests run with -v, so a run cut by its timeout still lists every test
+# that finished. Knobs: NPROC (xdist workers, 8), T1 (whole pytest run, s, 400), TT (one test, s,
+# 300), BENCH_TIMEOUT (s, 500).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --target /tmp/site .whl/*.whl >"$OUT/pip.txt" 2>&1
-export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT/pip.txt" 2>&1
-tests=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do tests+=("$1"); shift; done; [ $# -gt 0 ] && shift
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/gpu.txt"
-if [ ${#tests[@]} -gt 0 ]; then
-  timeout 250 python3 -m pytest -m gpu -n 8 -v -rf -p no:cacheprovider -p no:logging "${tests[@]}" >"$OUT/tests.txt" 2>&1
-  echo "pytest rc=$?"; grep -E "passed|failed|error" "$OUT/tests.txt" | tail -3
-  grep -E "FAILED|ERROR" "$OUT/tests.txt" | sort -u | head -40
+if [ -f .carry/gpu-unpack.sh ]; then
+  eval "$(bash .carry/gpu-unpack.sh)"
+elif ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --target /tmp/site .whl/*.whl >"$OUT/pip.txt" 2>&1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if [ $# -gt 0 ] || [ ${#tests[@]} -eq 0 ]; then
-  timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/kernels.py --out "$OUT" "$@" >"$OUT/bench.txt" 2>&1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT/pip.txt" 2>&1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/gpu.txt"
+name=${1:-tests}; shift || true
+tests=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do tests+=("$1"); shift; done; [ $# -gt 0 ] && shift
+if [ ${#tests[@]} -gt 0 ]; then
+  per_test=(); python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout="${TT:-300}")
+  timeout "${T1:-400}" python3 -m pytest -m gpu -n "${NPROC:-8}" -v -rfE -p no:cacheprovider --tb=short \
+    "${per_test[@]}" --junitxml="$OUT/$name.xml" "${tests[@]}" >"$OUT/$name.log" 2>&1
+  echo "pytest rc=$? ($name)"
+  grep -E "^(FAILED|ERROR)| passed| failed" "$OUT/$name.log" | sort -u | tail -40
+  echo "PASSED lines: $(grep -c PASSED "$OUT/$name.log")"
+fi
+if [ $# -gt 0 ]; then
+  timeout "${BENCH_TIMEOUT:-500}" python3 "$@" >"$OUT/bench.txt" 2>&1
   echo "bench rc=$?"; tail -n 50 "$OUT/bench.txt"
 fi
