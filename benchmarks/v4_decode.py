@@ -211,6 +211,21 @@ def compressor_case(kind: str, batch_size: int, tokens: int, ctx: int, device, *
     return args, comp, nbytes
 
 
+def _ours_and_reference(K, run, op: str, args, check, result=None) -> None:
+    """Times our triton ``op`` and the reference op's body, eager and under Inductor, on the
+    same ``args``; ``result`` (a mutated cache) is what ``check`` reads when the op returns
+    nothing."""
+    body = K.reference_body("mlagraph.ops", op)
+    ours = getattr(torch.ops.mlagraph_triton, op)
+
+    def calling(fn):
+        return (lambda: fn(*args)) if result is None else (lambda: (fn(*args), result)[1])
+
+    run.run("triton", calling(ours), check)
+    run.run("eager", calling(body), check)
+    run.peer("inductor", lambda: calling(K.inductor(body)), check)
+
+
 def bench_kernels(out_rows, args):
     """Each new kernel at V4-Flash dims beside the reference op's plain PyTorch, eager and Inductor."""
     import kernels as K
@@ -230,12 +245,7 @@ def bench_kernels(out_rows, args):
             flops = batch_size * 64 * keys * 512 * 4
             run = K.Runner(rows, f"v4 {kind}_decode B={batch_size} ctx=4096", flops, nbytes, tol=2e-2)
             want = getattr(torch.ops.mlagraph, f"{kind}_decode")(*a)[0]
-            check = lambda o, want=want: K.rel_err(o[0], want)  # noqa: E731
-            ours = getattr(torch.ops.mlagraph_triton, f"{kind}_decode")
-            body = K.reference_body("swa_decode", f"{kind}_decode")
-            run.run("triton", lambda ours=ours, a=a: ours(*a), check)
-            run.run("eager", lambda body=body, a=a: body(*a), check)
-            run.peer("inductor", lambda body=body, a=a: (lambda f=K.inductor(body): lambda: f(*a))(), check)
+            _ours_and_reference(K, run, f"{kind}_decode", a, lambda o, want=want: K.rel_err(o[0], want))
             del a, want
             torch.cuda.empty_cache()
     # the prefill forms: one 4096-token prompt, every token at its own position
@@ -251,12 +261,7 @@ def bench_kernels(out_rows, args):
         nbytes = 4096 * (2 * 64 * 512 * 2 + 512 * 2) + 4096 // rate * 512 * 2 * (kind != "swa")
         run = K.Runner(rows, f"v4 {kind}_attention prefill T=4096", flops, nbytes, tol=2e-2)
         want = getattr(torch.ops.mlagraph, f"{kind}_attention")(*a)[0]
-        check = lambda o, want=want: K.rel_err(o[0], want)  # noqa: E731
-        ours = getattr(torch.ops.mlagraph_triton, f"{kind}_attention")
-        body = K.reference_body("swa", f"{kind}_attention")
-        run.run("triton", lambda ours=ours, a=a: ours(*a), check)
-        run.run("eager", lambda body=body, a=a: body(*a), check)
-        run.peer("inductor", lambda body=body, a=a: (lambda f=K.inductor(body): lambda: f(*a))(), check)
+        _ours_and_reference(K, run, f"{kind}_attention", a, lambda o, want=want: K.rel_err(o[0], want))
         del a, want
         torch.cuda.empty_cache()
     # the CSA indexer (64 heads of 128, float32 keys, top-512): decode, 128 requests of 16K tokens
@@ -286,11 +291,7 @@ def bench_kernels(out_rows, args):
             want = comp.clone()
             label = f"decode B={batch_size} ctx=4096" if tokens == 1 else f"prefill T={tokens}"
             run = K.Runner(rows, f"v4 {kind} compressor {label}", 0.0, nbytes, tol=1e-2)
-            check = lambda o, want=want: K.rel_err(o, want)  # noqa: E731
-            body = K.reference_body("compressor", "compressor_update")
-            run.run("triton", lambda a=a, comp=comp: (torch.ops.mlagraph_triton.compressor_update(*a), comp)[1], check)
-            run.run("eager", lambda a=a, comp=comp: (body(*a), comp)[1], check)
-            run.peer("inductor", lambda a=a, comp=comp: (lambda f=K.inductor(body): lambda: (f(*a), comp)[1])(), check)
+            _ours_and_reference(K, run, "compressor_update", a, lambda o, want=want: K.rel_err(o, want), result=comp)
             del a, comp, want
             torch.cuda.empty_cache()
     # the fused front at V4's dims: q [T, 64, 448 | 64], one K=V row [448 | 64], window cache
@@ -307,11 +308,7 @@ def bench_kernels(out_rows, args):
         want = torch.ops.mlagraph.fused_rope_concat_cache_write(*a)[0]
         nbytes = tokens * (2 * 64 * 512 * 2 + 2 * 512 * 2)
         run = K.Runner(rows, f"v4 rope+window write T={tokens}", 0.0, nbytes, tol=1e-2)
-        check = lambda o, want=want: K.rel_err(o[0], want)  # noqa: E731
-        body = K.reference_body("cache", "fused_rope_concat_cache_write")
-        run.run("triton", lambda a=a: torch.ops.mlagraph_triton.fused_rope_concat_cache_write(*a), check)
-        run.run("eager", lambda a=a: body(*a), check)
-        run.peer("inductor", lambda a=a: (lambda f=K.inductor(body): lambda: f(*a))(), check)
+        _ours_and_reference(K, run, "fused_rope_concat_cache_write", a, lambda o, want=want: K.rel_err(o[0], want))
     out_rows.extend(dict(workload=r.workload, variant=r.variant, time_us=r.time_us, error=r.error, note=r.note,
                          rate=r.rate(), floor_us=r.floor_us) for r in rows)
 

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from ._launch import check_runnable
 
+
 @triton.jit
 def _state_write_kernel(
     kv, gate, bias, positions, slot_mapping, state,
