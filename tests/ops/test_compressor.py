@@ -26,9 +26,10 @@ def _inputs(overlap: bool, rate: int, seed: int = 0):
     return kv, gate, bias, norm_w
 
 
-def ref_entries(kv, gate, bias, norm_w, rate, overlap):
-    """float64 entries [n // rate, W] of one request, straight from the definition."""
-    n = kv.shape[0]
+def ref_entries(kv, gate, bias, norm_w, rate, overlap, rope_dim=R):
+    """float64 entries [n // rate, W] of one request, straight from the definition (W from
+    ``norm_w``, RoPE with base 10000 on the last ``rope_dim`` features)."""
+    n, W, R = kv.shape[0], norm_w.numel(), rope_dim
     kv, gate = kv.double(), gate.double() + bias.double()[torch.arange(n) % rate]
     inv_freq = 1.0 / BASE ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
     out = []

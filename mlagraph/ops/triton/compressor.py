@@ -95,6 +95,7 @@ def _pool_entry(
         pw = tl.exp2(g - m_new[None, :])  # masked slots: exp2(-inf) = 0
         l_i = l_i * alpha + tl.sum(pw, 0)
         acc = acc * alpha + tl.sum(pw * v, 0)
+        m_i = m_new
     pooled = tl.where(f_ok, acc / tl.where(l_i > 0, l_i, 1.0), 0.0)
 
     normed = pooled * tl.rsqrt(tl.sum(pooled * pooled, 0) / W + eps)

@@ -11,10 +11,13 @@ of 64) and a CUDA-graph capture of a decode step.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from mlagraph.ops import rope_cos_sin_cache, v4_layouts
+from mlagraph.ops.triton import compressor as triton_compressor
 from tests.helpers import capture_cuda_graph, make_block_table, slots_for
 from tests.ops.test_compressor import ref_entries
 
@@ -67,16 +70,20 @@ def schedule(seq_lens, chunk):
     return steps
 
 
-def run_both(case, steps, device, *, atol=1e-5, rtol=1e-5, pad=0):
+def run_both(case, steps, device, *, atol=1e-5, rtol=1e-5, pad=0, config=None):
     """Runs every step through both ops; compares the caches after each. Returns the triton
-    op's caches (on the CPU)."""
+    op's caches (on the CPU). ``config`` (e.g. ``{"BLOCK_S": 4}``) calls the kernel's wrapper
+    with that launch configuration instead of the registered op."""
+    ours = torch.ops.mlagraph_triton.compressor_update
+    if config is not None:
+        ours = functools.partial(triton_compressor.compressor_update, config=config)
     ref_state, ref_comp = case["state"].clone(), case["comp"].clone()
     state, comp = case["state"].to(device), case["comp"].to(device)
     for rows in steps:
         args = step_args(case, rows, "cpu", pad=pad)
         tail = (case["rate"], case["overlap"], EPS)
         torch.ops.mlagraph.compressor_update(*args, ref_state, ref_comp, *tail)
-        torch.ops.mlagraph_triton.compressor_update(*[a.to(device) for a in args], state, comp, *tail)
+        ours(*[a.to(device) for a in args], state, comp, *tail)
         torch.testing.assert_close(state.cpu(), ref_state, equal_nan=True, atol=0, rtol=0)
         torch.testing.assert_close(comp.cpu().float(), ref_comp.float(), equal_nan=True, atol=atol, rtol=rtol)
     return state.cpu(), comp.cpu()
@@ -86,7 +93,7 @@ def check_formula(case, seq_lens, comp, *, atol=1e-5, rtol=1e-5):
     rate, page = case["rate"], case["page_size"]
     for b, n in enumerate(seq_lens):
         want = ref_entries(case["kv"][b].float(), case["gate"][b].float(), case["position_bias"],
-                           case["norm_weight"].float(), rate, case["overlap"])
+                           case["norm_weight"].float(), rate, case["overlap"], rope_dim=case["cos_sin"].shape[1])
         if n // rate:
             rows = v4_layouts.entry_slots(case["table"], torch.tensor(b), torch.arange(n // rate), page, rate)
             torch.testing.assert_close(comp.view(-1, comp.shape[-1])[rows].double(), want, atol=atol, rtol=rtol)
@@ -110,15 +117,18 @@ def test_matches_reference_in_one_call_chunks_and_decode(device, overlap, page_s
     check_formula(case, SEQ_LENS, comp)
 
 
+@pytest.mark.parametrize("block_s", [None, 4, 1])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_wide_entries_in_several_slot_blocks_and_padding_rows(device, overlap):
-    """A 40-wide entry (padded to 64 lanes; RoPE on 16), rate 16 (HCA-like: slots walked in
-    several blocks), half precision inputs and a bf16 entry cache, and padding rows (slot -1)
-    that must write nothing."""
+def test_wide_entries_in_several_slot_blocks_and_padding_rows(device, overlap, block_s):
+    """A 40-wide entry (padded to 64 lanes; RoPE on 16), rate 16, half precision inputs and a
+    bf16 entry cache, and padding rows (slot -1) that must write nothing. The default walks a
+    window's 16 (32) slots in one block; BLOCK_S 4 and 1 walk them in several, as HCA's 128
+    slots of 512 features are walked on the GPU, so the online softmax's carry is exercised."""
     seq_lens = [40, 17, 33]
     case = make_case(seq_lens, width=40, rope_dim=16, rate=16, overlap=overlap, page_size=8,
                      entry_dtype=torch.bfloat16, in_dtype=torch.bfloat16, seed=2)
-    run_both(case, schedule(seq_lens, 5), device, atol=1e-2, rtol=1e-2, pad=3)
+    config = None if block_s is None else {"BLOCK_S": block_s}
+    run_both(case, schedule(seq_lens, 5), device, atol=1e-2, rtol=1e-2, pad=3, config=config)
 
 
 def test_odd_width_runs_the_reference(device):
