@@ -7,6 +7,13 @@ hand-written integration would run per layer). Every variant is checked against 
 op before it is timed; the note of a backend row gives its time over the raw kernel's (goal:
 within 3%). A library that is missing (or an API that moved) is a row with the reason.
 
+Decode rows are timed as the engine runs decode: inside a CUDA graph (replays of 4 calls, the
+step's plans made before capture), so what a row shows is GPU time, the wrapper's kernels
+included and the host's Python excluded. Beside them, ``<lib> backend eager`` times the op
+called from Python (what a user without graphs pays per layer) and ``<lib> step plan`` the
+once-per-step re-plan the engine runs before a replay (shared by every layer). Prefill rows run
+eagerly, as the engine's prefill does.
+
 Queries are given as the model gives them: q_nope and q_pe are the two halves of the fused
 RoPE + cache-write op's one q (adjacent views), so a backend that reads q joined (FlashMLA)
 takes it in place, as in the decode graph; the raw calls get the joined tensor.
@@ -23,9 +30,9 @@ SCALE = 0.1352
 REF = torch.ops.mlagraph
 
 
-def _in_step(fn, mirrors):
+def _in_step(fn, mirrors_or_step):
     """fn run as an engine step runs it: inside one host_plan step (plans made on the first call)."""
-    step = host_plan.Step(mirrors)
+    step = mirrors_or_step if isinstance(mirrors_or_step, host_plan.Step) else host_plan.Step(mirrors_or_step)
 
     def call():
         with host_plan.step(step):
@@ -52,8 +59,11 @@ def _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens):
     from mlagraph.ops.flashinfer.kernels import mla_csr
 
     b, s_q, h, _ = q_nope.shape
-    w = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
-                                                     backend="fa3")
+    i32 = dict(dtype=torch.int32, device="cuda")
+    w = flashinfer.mla.BatchMLAPagedAttentionWrapper(  # graph-safe buffers: the raw call is timed in a graph too
+        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
+        qo_indptr=torch.empty(b + 1, **i32), kv_indptr=torch.empty(b + 1, **i32),
+        kv_indices=torch.empty(table.numel(), **i32), kv_len_arr=torch.empty(b, **i32), backend="fa3")
     meta = flashinfer.mla.MLAPlanMetadata.csr(*mla_csr(table.cpu(), lens.cpu(), cache.shape[1], s_q))
     w.plan(metadata=meta, num_heads=h, head_dim_ckv=L, head_dim_kpe=R, page_size=cache.shape[1], causal=s_q > 1,
            sm_scale=SCALE, q_data_type=q_nope.dtype, kv_data_type=cache.dtype, query_layout="split",
@@ -100,15 +110,21 @@ def bench_flash(rows, args, g):
         want = REF.mla_decode(*args_)[0] if h * b * ctx <= 128 * 128 * 1151 else torch.ops.mlagraph_triton.mla_decode(*args_)[0]
         check = lambda out: rel_err(out[0], want)  # noqa: E731
         run = Runner(rows, name, 2 * h * s_q * 1088 * b * ctx, 1152 * b * ctx, tol=2e-2)
-        run.run("triton", lambda: torch.ops.mlagraph_triton.mla_decode(*args_), check)
+        triton_op = lambda: torch.ops.mlagraph_triton.mla_decode(*args_)  # noqa: E731
+        run.run("triton", triton_op, check, graph_fns=[triton_op])
         mirrors = {table: table.cpu(), lens: lens.cpu()}
         for lib, backend, why, raw in (("flashmla", fm, fm_why, lambda: _raw_flashmla_decode(q_nope, q_pe, cache, table, lens, "bf16")),
                                        ("flashinfer", fi, fi_why, lambda: _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens))):
             if backend is None:
                 run.skip(f"{lib} backend", why)
                 continue
-            run.run(f"{lib} backend", _in_step(lambda op=backend.op("mla_decode"): op(*args_), mirrors), check)
-            run.peer(f"{lib} raw", raw, check)
+            op, step = backend.op("mla_decode"), host_plan.Step(mirrors)
+            ours = _in_step(lambda op=op: op(*args_), step)
+            run.run(f"{lib} backend", ours, check, graph_fns=[ours])
+            run.peer(f"{lib} raw", lambda raw=raw: (lambda f: (f, [f]))(raw()), check)
+            run.run(f"{lib} backend eager", ours, check, note="Python per call, no graph")
+            run.run(f"{lib} step plan", lambda step=step: step.refresh(mirrors) or want[:1], lambda out: 0.0,
+                    note=f"once per step for all layers ({step.num_plans} plan)")
         _ratio_notes(rows, name)
 
     # sparse: FlashMLA only (FlashInfer's sparse MLA is not a backend op here)
@@ -129,8 +145,11 @@ def bench_flash(rows, args, g):
         check = lambda out: rel_err(out[0], want)  # noqa: E731
         run = Runner(rows, name, 2 * 128 * 1088 * tokens * topk, layouts.latent_row_width(layout, L, R) * tokens * topk,
                      tol=2e-2)
-        run.run("triton", lambda: torch.ops.mlagraph_triton.sparse_mla(*args_), check)
-        run.run("flashmla backend", lambda: fm.op("sparse_mla")(*args_), check)
+        graphed = layout == "fp8_ds"  # the decode form runs in the decode graph; prefill eagerly
+        triton_op = lambda: torch.ops.mlagraph_triton.sparse_mla(*args_)  # noqa: E731
+        ours = _in_step(lambda: fm.op("sparse_mla")(*args_), {})
+        run.run("triton", triton_op, check, graph_fns=[triton_op] if graphed else None)
+        run.run("flashmla backend", ours, check, graph_fns=[ours] if graphed else None)
 
         def raw_sparse():
             import flash_mla
@@ -143,9 +162,13 @@ def bench_flash(rows, args, g):
                 return lambda: flash_mla.flash_mla_sparse_fwd(q, kv, slots[:, None], SCALE, d_v=L, use_legacy=True)
             sched = flash_mla.get_mla_metadata()[0]
             k = cache.view(torch.float8_e4m3fn).view(cache.shape[0], 64, 1, -1)
-            return lambda: flash_mla.flash_mla_with_kvcache(q[:, None], k, None, None, L, sched, softmax_scale=SCALE,
-                                                            is_fp8_kvcache=True, indices=slots[:, None],
-                                                            use_legacy=True)
+            pad = -slots.shape[-1] % 64
+            padded = torch.nn.functional.pad(slots, (0, pad), value=-1)[:, None]
+            fn = lambda: flash_mla.flash_mla_with_kvcache(q[:, None], k, None, None, L, sched,  # noqa: E731
+                                                          softmax_scale=SCALE, is_fp8_kvcache=True, indices=padded,
+                                                          use_legacy=True)
+            fn()  # fills sched before a capture
+            return fn, [fn]
 
         run.peer("flashmla raw", raw_sparse, lambda out: rel_err(out[0].reshape(want.shape), want))
         _ratio_notes(rows, name)

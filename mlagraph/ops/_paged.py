@@ -24,9 +24,13 @@ def effective_lens(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size:
 def mask_empty(out: torch.Tensor, lse: torch.Tensor, empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """out [N, ..., L], lse [N, ...] float32, empty [N] bool -> out 0 and lse -inf where empty,
     and lse -inf wherever the kernel reported a keyless query as +inf (FlashMLA's convention).
-    On CUDA only the empty rows of out are written (:func:`mlagraph.ops.triton.paged.zero_rows_`)."""
-    if not (out.is_cuda and _triton_paged().zero_rows_(out, empty)):
-        out.masked_fill_(empty.view(-1, *([1] * (out.dim() - 1))), 0.0)
+    On CUDA one kernel does it all and writes only the empty rows of out
+    (:func:`mlagraph.ops.triton.paged.mask_empty`)."""
+    if out.is_cuda:
+        done = _triton_paged().mask_empty(out, lse, empty)
+        if done is not None:
+            return done
+    out.masked_fill_(empty.view(-1, *([1] * (out.dim() - 1))), 0.0)
     keyless = empty.view(-1, *([1] * (lse.dim() - 1))) | torch.isposinf(lse)
     return out, lse.masked_fill(keyless, float("-inf"))
 

@@ -7,9 +7,12 @@ Each replaces a chain of small torch ops that a library call pays per layer:
   out 0 for a token with no key at all. The torch form is a dozen elementwise kernels over
   [T, K] int64 (clamp, divide, gather, modulo, where, pad, all); this is one pass that reads
   the positions once and writes the int32 slots and the per-token "no key" flag.
-- ``zero_rows_``: out = 0 for the tokens (or requests) with no key. ``masked_fill_`` reads and
-  writes the whole output (537 MB for a 4096-token sparse prefill at H=128); this kernel reads
-  one flag per row and writes only the rows that have none.
+- ``mask_empty``: out = 0 and lse = -inf for the tokens (or requests) with no key, and lse
+  -inf where FlashMLA reports a keyless query as +inf. The torch form is four kernels, one of
+  them a ``masked_fill_`` that reads and writes the whole output (537 MB for a 4096-token
+  sparse prefill at H=128); this is one launch that reads one flag per row, writes only the
+  rows of out that have none, and rewrites the small lse. A decode layer pays it per call, so
+  it is what stands between a library kernel and its time inside our op.
 
 Both have fixed grids (one program per row) and read no value on the host: capturable.
 """
@@ -68,24 +71,44 @@ def flat_slots_padded(block_table: torch.Tensor, positions: torch.Tensor, rows: 
 
 
 @triton.jit
-def _zero_rows_kernel(out, empty, stride_row, ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _mask_empty_kernel(
+    out, lse, lse_out, empty, stride_out_row, stride_l0, stride_l1, stride_l2, A, B,
+    ROW: tl.constexpr, BLOCK: tl.constexpr, LSE_BLOCK: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
-    if tl.load(empty + n):
+    e = tl.load(empty + n)
+    if e:
         for c0 in range(0, ROW, BLOCK):
             c = c0 + tl.arange(0, BLOCK)
-            tl.store(out + n * stride_row + c, tl.zeros([BLOCK], out.dtype.element_ty), mask=c < ROW)
+            tl.store(out + n * stride_out_row + c, tl.zeros([BLOCK], out.dtype.element_ty), mask=c < ROW)
+    for i0 in range(0, A * B, LSE_BLOCK):
+        i = i0 + tl.arange(0, LSE_BLOCK)
+        ok = i < A * B
+        v = tl.load(lse + n * stride_l0 + (i // B) * stride_l1 + (i % B) * stride_l2, mask=ok, other=0.0)
+        v = tl.where(e | (v == float("inf")), float("-inf"), v)
+        tl.store(lse_out + n * A * B + i, v, mask=ok)
 
 
-def zero_rows_(out: torch.Tensor, empty: torch.Tensor) -> bool:
-    """out [N, ...] with each row contiguous: out[n] = 0 where empty[n]. Returns False (and
-    does nothing) when the rows are not contiguous, for the caller's fallback."""
-    check_runnable("zero_rows", _zero_rows_kernel, out, namespace="mlagraph.ops._paged")
+def mask_empty(out: torch.Tensor, lse: torch.Tensor, empty: torch.Tensor):
+    """out [N, ...] (each row contiguous), lse [N, ...] float32 (any strides, at most 3 dims),
+    empty [N] bool -> (out with out[n] = 0 where empty[n], in place; a new contiguous lse with
+    -inf where empty[n] or +inf). One launch. Returns None, touching nothing, when out's rows
+    are not contiguous or lse has more than 3 dims: the caller runs the torch form."""
+    check_runnable("mask_empty", _mask_empty_kernel, out, namespace="mlagraph.ops._paged")
     n = out.shape[0]
-    row = out[0].numel() if n else 0
-    if n == 0 or row == 0:
-        return True
-    if not out[0].is_contiguous():
-        return False
-    block = min(4096, triton.next_power_of_2(row))
-    _zero_rows_kernel[(n,)](out, empty.contiguous(), out.stride(0), ROW=row, BLOCK=block, num_warps=4)
-    return True
+    if n == 0:
+        return out, lse.clone()
+    if not out[0].is_contiguous() or lse.dim() > 3:
+        return None
+    row = out[0].numel()
+    shape3 = (n, 1, 1) if lse.dim() == 1 else (n, 1, lse.shape[1]) if lse.dim() == 2 else tuple(lse.shape)
+    strides = (lse.stride(0), 0, 0) if lse.dim() == 1 else (lse.stride(0), 0, lse.stride(1)) if lse.dim() == 2 \
+        else lse.stride()
+    lse_out = torch.empty(lse.shape, dtype=lse.dtype, device=lse.device)
+    a, b = shape3[1], shape3[2]
+    _mask_empty_kernel[(n,)](
+        out, lse, lse_out, empty.contiguous(), out.stride(0), *strides, a, b,
+        ROW=row, BLOCK=max(16, min(4096, triton.next_power_of_2(row))),
+        LSE_BLOCK=max(16, min(1024, triton.next_power_of_2(a * b))), num_warps=4,
+    )
+    return out, lse_out

@@ -36,14 +36,40 @@ def test_flat_slots_padded_equals_the_torch_ops(device, k, multiple, page_size):
         assert torch.equal(got2.cpu(), want)
 
 
-@pytest.mark.parametrize("shape", [(6, 3, 40), (5, 2, 3, 512), (4, 1)])
-def test_zero_rows_writes_only_the_empty_rows(device, shape):
-    out = torch.randn(shape).to(device)
+def _torch_mask_empty(out, lse, empty):
+    """The CPU path of _paged.mask_empty (the torch ops)."""
+    return _paged.mask_empty(out.cpu().clone(), lse.cpu().clone(), empty.cpu())
+
+
+@pytest.mark.parametrize("out_shape,lse_shape,transposed", [
+    ((6, 3, 40), (6, 3), False),  # sparse: out [T, H, L], lse [T, H]
+    ((5, 2, 3, 512), (5, 3, 2), True),  # FlashMLA decode: lse [B, H, s_q] read as [B, s_q, H]
+    ((4, 1, 16, 512), (4, 1, 16), False),  # FlashInfer decode
+    ((4, 1), (4,), False),
+])
+def test_mask_empty_equals_the_torch_ops_and_writes_only_the_empty_rows(device, out_shape, lse_shape, transposed):
+    g = torch.Generator().manual_seed(len(out_shape))
+    out = torch.randn(out_shape, generator=g).to(device)
+    lse = torch.randn(lse_shape, generator=g)
+    lse.view(-1)[::3] = float("inf")  # FlashMLA's keyless queries
+    lse.view(-1)[1] = float("nan")  # passes through untouched
+    lse = lse.to(device)
+    if transposed:
+        lse = lse.transpose(1, 2)
+    empty = torch.tensor([i % 2 == 1 for i in range(out_shape[0])], device=device)
     before = out.clone()
-    empty = torch.tensor([i % 2 == 1 for i in range(shape[0])], device=device)
-    assert paged.zero_rows_(out, empty)
-    for i in range(shape[0]):
-        assert torch.equal(out[i].cpu(), torch.zeros_like(before[i].cpu()) if i % 2 else before[i].cpu())
-    if shape[-1] > 1:
-        strided = torch.randn(shape[0], 2 * shape[-1]).to(device)[:, ::2]
-        assert not paged.zero_rows_(strided, empty)  # the caller falls back to masked_fill_
+    want_out, want_lse = _torch_mask_empty(out, lse, empty)
+    got_out, got_lse = paged.mask_empty(out, lse, empty)
+    assert got_out.data_ptr() == out.data_ptr()  # in place
+    torch.testing.assert_close(got_out.cpu(), want_out, rtol=0, atol=0)
+    torch.testing.assert_close(got_lse.cpu(), want_lse, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(out[0].cpu(), before[0].cpu())  # a row with keys is not rewritten
+    assert torch.isinf(got_lse[1]).all() and not torch.isposinf(got_lse).any()
+
+
+def test_mask_empty_declines_rows_it_cannot_write_in_place(device):
+    out = torch.randn(4, 80).to(device)[:, ::2]
+    lse = torch.randn(4, 3).to(device)
+    before_out, before_lse = out.clone(), lse.clone()
+    assert paged.mask_empty(out, lse, torch.ones(4, dtype=torch.bool, device=device)) is None
+    assert torch.equal(out, before_out) and torch.equal(lse, before_lse)  # the caller's torch form runs
