@@ -30,9 +30,8 @@ SCALE = 0.1352
 REF = torch.ops.mlagraph
 
 
-def _in_step(fn, mirrors_or_step):
+def _in_step(fn, step):
     """fn run as an engine step runs it: inside one host_plan step (plans made on the first call)."""
-    step = mirrors_or_step if isinstance(mirrors_or_step, host_plan.Step) else host_plan.Step(mirrors_or_step)
 
     def call():
         with host_plan.step(step):
@@ -48,10 +47,10 @@ def _raw_flashmla_decode(q_nope, q_pe, cache, table, lens, layout):
     if layout == "fp8_ds":
         raise NotImplementedError("raw FlashMLA dense decode reads bf16 only")
     k = cache.unsqueeze(2)
-    flash_mla.flash_mla_with_kvcache(q, k, table, lens, L, sched, softmax_scale=SCALE, causal=q.shape[1] > 1,
-                                     use_legacy=True)  # fills sched once, as a caller hoisting it would
-    return lambda: flash_mla.flash_mla_with_kvcache(q, k, table, lens, L, sched, softmax_scale=SCALE,
-                                                    causal=q.shape[1] > 1, use_legacy=True)
+    fn = lambda: flash_mla.flash_mla_with_kvcache(q, k, table, lens, L, sched, softmax_scale=SCALE,  # noqa: E731
+                                                  causal=q.shape[1] > 1, use_legacy=True)
+    fn()  # fills sched once, as a caller hoisting it would (and before a capture)
+    return fn, [fn]
 
 
 def _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens):
@@ -70,8 +69,9 @@ def _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens):
            kv_cache_layout="split", lse_mode="basee")
     qn, qp = q_nope.reshape(b * s_q, h, L), q_pe.reshape(b * s_q, h, R)
     kv = (cache[..., :L], cache[..., L:])
-    return lambda: tuple(t.view(b, s_q, h, -1) if t.dim() == 3 else t.view(b, s_q, h)
-                         for t in w.run(query=(qn, qp), kv_cache=kv, return_lse=True, return_lse_base_on_e=True))
+    fn = lambda: tuple(t.view(b, s_q, h, -1) if t.dim() == 3 else t.view(b, s_q, h)  # noqa: E731
+                       for t in w.run(query=(qn, qp), kv_cache=kv, return_lse=True, return_lse_base_on_e=True))
+    return fn, [fn]
 
 
 def _ratio_notes(rows, workload):
@@ -121,9 +121,10 @@ def bench_flash(rows, args, g):
             op, step = backend.op("mla_decode"), host_plan.Step(mirrors)
             ours = _in_step(lambda op=op: op(*args_), step)
             run.run(f"{lib} backend", ours, check, graph_fns=[ours])
-            run.peer(f"{lib} raw", lambda raw=raw: (lambda f: (f, [f]))(raw()), check)
+            run.peer(f"{lib} raw", raw, check)
             run.run(f"{lib} backend eager", ours, check, note="Python per call, no graph")
-            run.run(f"{lib} step plan", lambda step=step: step.refresh(mirrors) or want[:1], lambda out: 0.0,
+            # a re-plan has no output of its own: the backend rows above checked the op with this plan
+            run.run(f"{lib} step plan", lambda step=step: step.refresh(mirrors), lambda _: 0.0,
                     note=f"once per step for all layers ({step.num_plans} plan)")
         _ratio_notes(rows, name)
 
@@ -147,7 +148,7 @@ def bench_flash(rows, args, g):
                      tol=2e-2)
         graphed = layout == "fp8_ds"  # the decode form runs in the decode graph; prefill eagerly
         triton_op = lambda: torch.ops.mlagraph_triton.sparse_mla(*args_)  # noqa: E731
-        ours = _in_step(lambda: fm.op("sparse_mla")(*args_), {})
+        ours = _in_step(lambda: fm.op("sparse_mla")(*args_), host_plan.Step())
         run.run("triton", triton_op, check, graph_fns=[triton_op] if graphed else None)
         run.run("flashmla backend", ours, check, graph_fns=[ours] if graphed else None)
 
@@ -162,11 +163,9 @@ def bench_flash(rows, args, g):
                 return lambda: flash_mla.flash_mla_sparse_fwd(q, kv, slots[:, None], SCALE, d_v=L, use_legacy=True)
             sched = flash_mla.get_mla_metadata()[0]
             k = cache.view(torch.float8_e4m3fn).view(cache.shape[0], 64, 1, -1)
-            pad = -slots.shape[-1] % 64
-            padded = torch.nn.functional.pad(slots, (0, pad), value=-1)[:, None]
             fn = lambda: flash_mla.flash_mla_with_kvcache(q[:, None], k, None, None, L, sched,  # noqa: E731
-                                                          softmax_scale=SCALE, is_fp8_kvcache=True, indices=padded,
-                                                          use_legacy=True)
+                                                          softmax_scale=SCALE, is_fp8_kvcache=True,
+                                                          indices=slots[:, None], use_legacy=True)
             fn()  # fills sched before a capture
             return fn, [fn]
 
@@ -189,7 +188,8 @@ def bench_flash(rows, args, g):
         check = lambda out: rel_err(out[0], want)  # noqa: E731
         run = Runner(rows, name, 40960 * n * n, 0, tol=2e-2)
         run.run("triton", lambda: torch.ops.mlagraph_triton.mha_prefill(*args_), check)
-        run.run("flashinfer backend", _in_step(lambda: fi.op("mha_prefill")(*args_), {cu: cu.cpu()}), check)
+        ours = _in_step(lambda: fi.op("mha_prefill")(*args_), host_plan.Step({cu: cu.cpu()}))
+        run.run("flashinfer backend", ours, check)
 
         def raw_prefill():
             import flashinfer

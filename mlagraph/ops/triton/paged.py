@@ -101,13 +101,11 @@ def mask_empty(out: torch.Tensor, lse: torch.Tensor, empty: torch.Tensor):
     if not out[0].is_contiguous() or lse.dim() > 3:
         return None
     row = out[0].numel()
-    shape3 = (n, 1, 1) if lse.dim() == 1 else (n, 1, lse.shape[1]) if lse.dim() == 2 else tuple(lse.shape)
-    strides = (lse.stride(0), 0, 0) if lse.dim() == 1 else (lse.stride(0), 0, lse.stride(1)) if lse.dim() == 2 \
-        else lse.stride()
+    lse3 = lse.view(*lse.shape, *([1] * (3 - lse.dim())))  # [N, A, B]: size-1 dims added, strides kept
+    _, a, b = lse3.shape
     lse_out = torch.empty(lse.shape, dtype=lse.dtype, device=lse.device)
-    a, b = shape3[1], shape3[2]
     _mask_empty_kernel[(n,)](
-        out, lse, lse_out, empty.contiguous(), out.stride(0), *strides, a, b,
+        out, lse3, lse_out, empty.contiguous(), out.stride(0), *lse3.stride(), a, b,
         ROW=row, BLOCK=max(16, min(4096, triton.next_power_of_2(row))),
         LSE_BLOCK=max(16, min(1024, triton.next_power_of_2(a * b))), num_warps=4,
     )
