@@ -91,7 +91,9 @@ VARIANTS = {
     "no_graphs": Variant("- CUDA graphs", compile=True),
 }
 ORDER = [*HF_VARIANTS, *VARIANTS]  # run order: hf_compile compiles the faster of hf_eager / hf_sdpa
-ALIASES = {"hf": list(HF_VARIANTS), "ablations": ["no_fusion", "no_concat_elim", "ref_decode", "no_graphs"]}
+ALIASES = {"hf": list(HF_VARIANTS), "backends": ["aiter", "flashmla", "flashinfer", "auto"],
+           "ablations": ["no_fusion", "no_concat_elim", "ref_decode", "no_graphs"]}
+BACKEND_VARIANTS = ALIASES["backends"]  # their own column each, beside --backend's full stack
 
 
 def model_config(layers: int, tiny: bool) -> dict:
@@ -586,12 +588,21 @@ def tables(res: Results) -> str:
     if "max_abs_diff" in d.get("hf_check", {}):
         out += [check_text(d["hf_check"]), ""]
     out += [f"| B | ctx | hf (best) | mlagraph eager | compiled, no passes | compiled + graphs ({d['backend']}) | "
-            "compiled + graphs (aiter) | full vs hf | full vs no passes |", "|---|---|---|---|---|---|---|---|---|"]
+            "full vs hf | full vs no passes |", "|---|---|---|---|---|---|---|---|"]
     for b, c in points:
         (hf, how), full, nop = best_hf(res, b, c), res.row("full", b, c), res.row("no_passes", b, c)
         cells = [cell(hf) + (f" ({how})" if how else ""), cell(res.row("eager", b, c)), cell(nop), cell(full),
-                 cell(res.row("aiter", b, c)), speedup(hf, full), speedup(nop, full)]
+                 speedup(hf, full), speedup(nop, full)]
         out.append(f"| {b} | {c} | " + " | ".join(cells) + " |")
+    # One column per backend that ran, the whole stack (compiled + graphs) each, beside --backend's.
+    others = [k for k in BACKEND_VARIANTS if any(r["variant"] == k for r in d["rows"])]
+    if others:
+        out += ["", f"Backends: compiled + graphs, ms (time vs {d['backend']}'s full stack)", "",
+                f"| B | ctx | {d['backend']} | " + " | ".join(k for k in others) + " |",
+                "|---|---|---|" + "---|" * len(others)]
+        for b, c in points:
+            full = res.row("full", b, c)
+            out.append(f"| {b} | {c} | {cell(full)} | " + " | ".join(cell(res.row(k, b, c), full) for k in others) + " |")
     ablations = ALIASES["ablations"]
     out += ["", "Attribution: the full stack with one part off, ms (slowdown vs full)", "",
             "| B | ctx | full | " + " | ".join(VARIANTS[k].label for k in ablations) + " |",

@@ -107,3 +107,15 @@ def test_cli_tiny_run_writes_and_merges(tmp_path):
 
     with pytest.raises(ValueError, match="another config"):  # other numbers would be mixed in
         bench.main([*common, "--only", "eager", "--layers", "1"])
+
+
+def test_backend_table_has_a_column_per_backend_that_ran(tmp_path):
+    meta = dict(config={}, dtype="bfloat16", device="GPU", backend="triton", date="today", argv=[], torch="2",
+                triton="3", transformers="5", iters=5, layers=2)
+    res = bench.Results(str(tmp_path), meta)
+    for variant, ms in [("full", 2.0), ("flashmla", 1.0), ("auto", 1.5)]:
+        res.add(dict(variant=variant, batch=32, context=1024, ms=ms))
+    res.add(dict(variant="flashinfer", batch=32, context=1024, error="out of memory"))
+    md = bench.tables(res)
+    assert "| B | ctx | triton | flashmla | flashinfer | auto |" in md  # aiter never ran: no column
+    assert "| 32 | 1024 | 2.00 | 1.00 (0.50x) | OOM | 1.50 (0.75x) |" in md
