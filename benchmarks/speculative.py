@@ -14,11 +14,13 @@ tokens each, ignore_eos) and per variant:
 Reported: acceptance rate, decode tokens/s (generated tokens of decode steps / their wall
 time) and the mean decode step time.
 
-Checked before timing: each variant's first run is compared with ``base``'s tokens (float32
-on CPU: every request equal, token for token; bf16 on CUDA: the multi-token verify rounds
-differently from one-token decode, so a near-tie may flip and a sequence diverge after it: at
-least half the requests must be equal, and the JSON records how many were and the mean
-length of the common prefix). The timed run is the second.
+Checked before timing: each variant's first run is compared with ``base``'s tokens. float32
+on CPU: every request equal, token for token. bf16 on CUDA: the multi-token verify rounds
+differently from one-token decode, so a near-tie may flip and the two sequences part there;
+at the first token where a request parts, the base model scores both tokens over the common
+prefix (``prompt_logprobs``) and they must be a tie within ``--tie-tol`` nats (a verify that
+accepted a token the target did not pick would leave a gap). The JSON records how many
+requests were equal, the mean common prefix and the largest gap. The timed run is the second.
 
 The model: ``mlagraph.model.config.deepseek_v3_shaped`` (V3's attention and hidden dims and
 vocabulary, ``--layers`` layers, a small MoE, one MTP layer) in bf16 with CUDA graphs on CUDA;
@@ -61,6 +63,18 @@ def _oracle(want: dict[tuple, list[int]], k: int):
     return hook
 
 
+def tie_gap(engine: Engine, prompts, got, base, parts) -> float:
+    """The largest |log p(got token) - log p(base token)| under ``engine``'s model over the
+    common prefix, at each request's first differing token (0.0 when none differs)."""
+    gap = 0.0
+    for prompt, g, b, i in zip(prompts, got, base, parts):
+        if i < min(len(g), len(b)):
+            ctx = list(prompt) + b[:i]
+            lp_got, lp_base = (engine.prompt_logprobs([ctx + [tok]])[0][-1].item() for tok in (g[i], b[i]))
+            gap = max(gap, abs(lp_got - lp_base))
+    return gap
+
+
 def _run(engine: Engine, prompts, new_tokens: int) -> tuple[list[list[int]], dict]:
     engine.stats = type(engine.stats)()
     t0 = time.perf_counter()
@@ -86,6 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tiny", action="store_true", help="a small float32 config (CPU smoke test)")
+    p.add_argument("--tie-tol", type=float, default=0.05,
+                   help="bf16: largest base-model logprob gap allowed between the two tokens where a request parts")
     a = p.parse_args(argv)
     batches, ks = [int(x) for x in a.batches.split(",")], [int(x) for x in a.ks.split(",")]
     device = torch.device(a.device)
@@ -118,13 +134,17 @@ def main(argv: list[str] | None = None) -> dict:
                 eng.speculator.draft_hook = hook
                 got, _ = _run(eng, prompts, a.new_tokens)  # the check, and a warm-up
                 same = sum(g == b for g, b in zip(got, base))
-                if same < (B if dtype == torch.float32 else B / 2):
+                if dtype == torch.float32 and same < B:
                     raise RuntimeError(f"{name} at batch {B}: {same} of {B} requests equal the base run's tokens")
-                prefix = sum(next((i for i, (x, y) in enumerate(zip(g, b)) if x != y), len(b))
-                             for g, b in zip(got, base)) / B
+                parts = [next((i for i, (x, y) in enumerate(zip(g, b)) if x != y), len(b)) for g, b in zip(got, base)]
+                gap = tie_gap(engines["base"], prompts, got, base, parts)
+                if gap > a.tie_tol:
+                    raise RuntimeError(f"{name} at batch {B}: where a request parts from the base run, the base model "
+                                       f"scores the two tokens {gap:.3f} nats apart (--tie-tol {a.tie_tol}): not a tie")
+                prefix = sum(parts) / B
                 _, row = _run(eng, prompts, a.new_tokens)
                 results["points"].append({"batch": B, "variant": name, "equal_to_base": f"{same}/{B}",
-                                          "common_prefix": round(prefix, 2), **row})
+                                          "common_prefix": round(prefix, 2), "tie_gap": round(gap, 4), **row})
                 print(json.dumps(results["points"][-1]), flush=True)
             eng.speculator.draft_hook = None
     os.makedirs(a.out, exist_ok=True)
@@ -140,12 +160,12 @@ def main(argv: list[str] | None = None) -> dict:
 def _markdown(r: dict) -> str:
     lines = [f"MTP speculative decoding, {r['device']}, {r['dtype']}, backend {r['backend']}, {r['layers']} layers, "
              f"prompt {r['prompt_len']}, {r['new_tokens']} new tokens", "",
-             "| batch | variant | acceptance | decode tok/s | step ms | equal to base |",
-             "|---:|---|---:|---:|---:|---:|"]
+             "| batch | variant | acceptance | decode tok/s | step ms | equal to base | common prefix | tie gap |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for pt in r["points"]:
         acc = "" if pt["variant"] == "base" else f"{pt['acceptance_rate']:.3f}"
         lines.append(f"| {pt['batch']} | {pt['variant']} | {acc} | {pt['decode_tokens_per_s']} | {pt['decode_step_ms']} "
-                     f"| {pt.get('equal_to_base', '')} |")
+                     f"| {pt.get('equal_to_base', '')} | {pt.get('common_prefix', '')} | {pt.get('tie_gap', '')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -18,3 +18,20 @@ def test_tiny_run_writes_checked_results(tmp_path):
     assert variants["mtp_k2"]["equal_to_base"] == "2/2" and variants["oracle_k2"]["equal_to_base"] == "2/2"
     assert json.loads((tmp_path / "speculative.json").read_text()) == res
     assert "| 2 | oracle_k2 | 1.000 |" in (tmp_path / "speculative.md").read_text()
+
+
+def test_tie_gap_scores_both_tokens_where_a_request_parts():
+    """bf16's check: at the first differing token the base model must score the two tokens alike."""
+    import torch
+
+    class Scorer:  # log p(last token) = -token / 10, after checking the context is the common prefix
+        def prompt_logprobs(self, prompts):
+            (ctx,) = prompts
+            assert ctx[:-1] == [7, 8, 1, 2]  # prompt + base tokens before the parting
+            return [torch.tensor([0.0] * (len(ctx) - 2) + [-ctx[-1] / 10])]
+
+    prompts, base = [[7, 8], [9]], [[1, 2, 3, 4], [5, 6]]
+    got = [[1, 2, 5, 4], [5, 6]]  # the first request parts at index 2 (5 instead of 3); the second is equal
+    parts = [2, 2]
+    assert abs(bench.tie_gap(Scorer(), prompts, got, base, parts) - 0.2) < 1e-6
+    assert bench.tie_gap(Scorer(), prompts, base, base, [4, 2]) == 0.0
