@@ -28,6 +28,20 @@ def test_tiny_run_writes_checked_rows(tmp_path):
     assert "| 3 | 20 | sparse | triton/eager |" in md
 
 
+def test_bf16_rows_are_also_checked_against_a_float32_copy(tmp_path, monkeypatch):
+    """bf16: every row carries its error against the float32 reference model; with the plain
+    tolerance at 0 a row still passes when it is as close to float32 as the bf16 reference."""
+    monkeypatch.setattr(bench, "TOL", 0.0)
+    bench.main(["--tiny", "--dtype", "bfloat16", "--device", "cpu", "--batches", "3", "--contexts", "20",
+                "--page-size", "8", "--modes", "eager", "--iters", "1", "--no-kernels", "--out", str(tmp_path)])
+    steps = {r["variant"]: r for r in json.loads((tmp_path / "v4_decode.json").read_text())["steps"]}
+    ref, tri = steps["reference/eager"], steps["triton/eager"]
+    assert 0 < ref["error_fp32"] < 2e-2 and 0 < tri["error_fp32"] < 2e-2  # bf16 rounding, not a bug
+    assert tri["time_us"] > 0 and tri["note"].startswith("vs float32 within 2x"), tri
+    assert ref["note"] == "" and ref["error"] == 0.0  # the bf16 reference is the plain check's own yardstick
+    assert "| vs float32 |" in (tmp_path / "v4_decode.md").read_text()
+
+
 @pytest.mark.parametrize("dims", [(8, 2, True, torch.float32), (8, 4, False, torch.float32)])
 @pytest.mark.parametrize("tokens,ctx", [(1, 7), (9, 0)])
 def test_compressor_rows_inputs_agree_between_triton_and_reference(dims, tokens, ctx):
