@@ -17,7 +17,9 @@ How:
   (the compressor states are the big part: ~2 GB a CSA layer). A timed step rewrites the rows
   of position ctx, always with the same values, so repeated steps are the same step.
 - 1K-context batches take the dense CSA plan (every request's entries fit the top-512: the
-  indexer is skipped), 4K ones the sparse plan; the ``plan`` column says which.
+  indexer is skipped), 4K ones the sparse plan; the ``plan`` column says which. With
+  ``--plans both`` (the default) a dense point runs again with the sparse plan forced: the
+  same logits (selecting all entries is a no-op), and the time the dense plan saves.
 - Variants: ``<backend>/eager`` (the model called directly), ``/compiled`` (mlagraph.compile,
   Inductor, dynamic shapes: one graph per plan), ``/graphs`` and ``/compiled+graphs`` (the
   step captured in a CUDA graph and replayed). Each is checked first (a failed check is
@@ -82,14 +84,16 @@ def v4_flash_config(tiny: bool = False) -> dict:
     return cfg
 
 
-def decode_batch(model, batch_size: int, ctx: int, page_size: int):
+def decode_batch(model, batch_size: int, ctx: int, page_size: int, sparse: bool = False):
     """B requests with ctx cached tokens each (pages in order), one new token; the CSA plan from
-    the config's dense limit, as the engine plans it."""
+    the config's dense limit, as the engine plans it (``sparse``: the sparse plan whatever the
+    lengths, dense limit 0)."""
     per = -(-(ctx + 1) // page_size)
     pages = [list(range(b * per, (b + 1) * per)) for b in range(batch_size)]
     cfg = model.config
     return build_batch(model.backend.capabilities, [[1]] * batch_size, [ctx] * batch_size, pages, page_size,
-                       is_decode=[True] * batch_size, dsa=cfg.uses_dsa, dsa_dense_max_kv_len=cfg.dsa_dense_max_kv_len,
+                       is_decode=[True] * batch_size, dsa=cfg.uses_dsa,
+                       dsa_dense_max_kv_len=0 if sparse else cfg.dsa_dense_max_kv_len,
                        min_reqs=2, device=model.lm_head.weight.device)
 
 
@@ -152,6 +156,20 @@ def graph_time(fn, device, replays: int = 20) -> float:
     return sorted(times)[len(times) // 2], out
 
 
+def _variants(models, args, batch_size, ctx):
+    """(backend, model, batch, plan label, mode) in run order: reference first; where the plan
+    is dense, the same point again with the sparse plan forced (``--plans both``), which must
+    give the same logits (top-k over entries that all fit selects them all)."""
+    for backend, model in models.items():
+        batch = decode_batch(model, batch_size, ctx, args.page_size)
+        plans = [(batch, "dense" if batch.plan.dsa_dense else "sparse")]
+        if batch.plan.dsa_dense and args.plans == "both":
+            plans.append((decode_batch(model, batch_size, ctx, args.page_size, sparse=True), "sparse (forced)"))
+        for b, plan in plans:
+            for mode in args.modes:
+                yield backend, model, b, plan, mode
+
+
 def bench_point(models, compiled, caches, args, batch_size, ctx, rows, out, exact=None):
     """All variants at one (B, ctx): check against reference/eager (and ``exact``: a float32
     model with its caches, see the module docstring), then time."""
@@ -160,48 +178,45 @@ def bench_point(models, compiled, caches, args, batch_size, ctx, rows, out, exac
     if exact is not None:
         with torch.no_grad():
             want32 = exact[0](decode_batch(exact[0], batch_size, ctx, page_size), exact[1]).clone()
-    for backend, model in models.items():
-        batch = decode_batch(model, batch_size, ctx, page_size)
-        plan = "dense" if batch.plan.dsa_dense else "sparse"
-        for mode in args.modes:
-            row = dict(batch=batch_size, context=ctx, plan=plan, variant=f"{backend}/{mode}", time_us=None,
-                       error=None, error_fp32=None, note="")
-            rows.append(row)
-            if "graphs" in mode and model.lm_head.weight.device.type != "cuda":
-                row["note"] = "skipped: CUDA graphs need a GPU"
-                continue
-            fn_model = compiled[backend] if mode.startswith("compiled") else model
-            if fn_model is None:
-                row["note"] = "skipped: not compiled here"
-                continue
-            step = lambda: fn_model(batch, caches)  # noqa: E731
-            try:
-                with torch.no_grad():
-                    if "graphs" in mode:
-                        t, logits = graph_time(step, model.lm_head.weight.device)
-                    else:
-                        logits = step()
-                    if want is None:  # reference/eager comes first
-                        want = logits.clone()
-                    row["error"] = rel_err(logits, want)
-                    ok = row["error"] <= TOL
-                    if want32 is not None:
-                        row["error_fp32"] = rel_err(logits, want32)
-                        ref_err32 = row["error_fp32"] if ref_err32 is None else ref_err32  # reference/eager's
-                        if not ok and row["error_fp32"] <= EXACT_RATIO * ref_err32:
-                            ok, row["note"] = True, f"vs float32 within {EXACT_RATIO:g}x of the bf16 reference's"
-                    if not ok:
-                        row["note"] = f"FAILED check (tol {TOL:g}" + (
-                            f"; vs float32 more than {EXACT_RATIO:g}x the bf16 reference's)" if want32 is not None else ")")
-                    elif "graphs" in mode:
-                        row["time_us"] = t * 1e6
-                    else:
-                        row["time_us"] = median_time(step, warmup=min(3, args.iters), iters=args.iters) * 1e6
-            except Exception as e:  # noqa: BLE001  (a variant that cannot run is a row with a reason)
-                row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-            t_str = f"{row['time_us']:.0f} us" if row["time_us"] else row["note"]
-            print(f"B={batch_size} ctx={ctx} {plan} {row['variant']}: {t_str} (error {row['error']})", flush=True)
-            save(rows, out)
+    for backend, model, batch, plan, mode in _variants(models, args, batch_size, ctx):
+        row = dict(batch=batch_size, context=ctx, plan=plan, variant=f"{backend}/{mode}", time_us=None,
+                   error=None, error_fp32=None, note="")
+        rows.append(row)
+        if "graphs" in mode and model.lm_head.weight.device.type != "cuda":
+            row["note"] = "skipped: CUDA graphs need a GPU"
+            continue
+        fn_model = compiled[backend] if mode.startswith("compiled") else model
+        if fn_model is None:
+            row["note"] = "skipped: not compiled here"
+            continue
+        step = lambda: fn_model(batch, caches)  # noqa: E731
+        try:
+            with torch.no_grad():
+                if "graphs" in mode:
+                    t, logits = graph_time(step, model.lm_head.weight.device)
+                else:
+                    logits = step()
+                if want is None:  # reference/eager comes first
+                    want = logits.clone()
+                row["error"] = rel_err(logits, want)
+                ok = row["error"] <= TOL
+                if want32 is not None:
+                    row["error_fp32"] = rel_err(logits, want32)
+                    ref_err32 = row["error_fp32"] if ref_err32 is None else ref_err32  # reference/eager's
+                    if not ok and row["error_fp32"] <= EXACT_RATIO * ref_err32:
+                        ok, row["note"] = True, f"vs float32 within {EXACT_RATIO:g}x of the bf16 reference's"
+                if not ok:
+                    row["note"] = f"FAILED check (tol {TOL:g}" + (
+                        f"; vs float32 more than {EXACT_RATIO:g}x the bf16 reference's)" if want32 is not None else ")")
+                elif "graphs" in mode:
+                    row["time_us"] = t * 1e6
+                else:
+                    row["time_us"] = median_time(step, warmup=min(3, args.iters), iters=args.iters) * 1e6
+        except Exception as e:  # noqa: BLE001  (a variant that cannot run is a row with a reason)
+            row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        t_str = f"{row['time_us']:.0f} us" if row["time_us"] else row["note"]
+        print(f"B={batch_size} ctx={ctx} {plan} {row['variant']}: {t_str} (error {row['error']})", flush=True)
+        save(rows, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,6 +414,8 @@ def main(argv=None) -> None:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a tiny config (the CPU test)")
+    p.add_argument("--plans", choices=["natural", "both"], default="both",
+                   help="both: where a point plans dense, also time it with the sparse plan forced")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                    help="model dtype (default: bfloat16, float32 with --tiny)")
     args = p.parse_args(argv)

@@ -18,11 +18,11 @@ def test_tiny_run_writes_checked_rows(tmp_path):
                 "--modes", "eager,compiled,graphs", "--iters", "1", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "v4_decode.json").read_text())
     steps = data["steps"]
-    assert len(steps) == 2 * 2 * 3
+    assert len(steps) == 2 * 3 * 3  # ctx 6 also with the sparse plan forced
     eager = [r for r in steps if r["variant"].endswith("/eager")]
-    assert {r["plan"] for r in eager} == {"dense", "sparse"}
-    for r in eager:  # triton's decode kernels (interpreted) agree with the reference
-        assert r["time_us"] > 0 and r["error"] < 1e-4, r
+    assert {(r["context"], r["plan"]) for r in eager} == {(6, "dense"), (6, "sparse (forced)"), (20, "sparse")}
+    for r in eager:  # triton's decode kernels (interpreted) agree with the reference, and the
+        assert r["time_us"] > 0 and r["error"] < 1e-4, r  # forced sparse plan with the dense one
     assert all(r["time_us"] is None and r["note"].startswith("skipped") for r in steps if r not in eager)
     md = (tmp_path / "v4_decode.md").read_text()
     assert "| 3 | 20 | sparse | triton/eager |" in md
