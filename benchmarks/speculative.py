@@ -18,9 +18,11 @@ Checked before timing: each variant's first run is compared with ``base``'s toke
 on CPU: every request equal, token for token. bf16 on CUDA: the multi-token verify rounds
 differently from one-token decode, so a near-tie may flip and the two sequences part there;
 at the first token where a request parts, the base model scores both tokens over the common
-prefix (``prompt_logprobs``) and they must be a tie within ``--tie-tol`` nats (a verify that
-accepted a token the target did not pick would leave a gap). The JSON records how many
-requests were equal, the mean common prefix and the largest gap. The timed run is the second.
+prefix (``prompt_logprobs``) and they must be a tie within ``--tie-tol`` nats (0.1, by
+arithmetic rather than measurement: with weights of std 0.02 over hidden 7168 the logits have
+a standard deviation near 0.02 * sqrt(7168) = 1.7, so a draft the target did not rank first
+typically sits nats below its top token). The JSON records how many requests were equal, the
+mean common prefix and the largest gap. The timed run is the second.
 
 The model: ``mlagraph.model.config.deepseek_v3_shaped`` (V3's attention and hidden dims and
 vocabulary, ``--layers`` layers, a small MoE, one MTP layer) in bf16 with CUDA graphs on CUDA;
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tiny", action="store_true", help="a small float32 config (CPU smoke test)")
-    p.add_argument("--tie-tol", type=float, default=0.05,
+    p.add_argument("--tie-tol", type=float, default=0.1,
                    help="bf16: largest base-model logprob gap allowed between the two tokens where a request parts")
     a = p.parse_args(argv)
     batches, ks = [int(x) for x in a.batches.split(",")], [int(x) for x in a.ks.split(",")]
