@@ -263,3 +263,33 @@ def test_gpu_regional_capture_equals_whole(kind):
     for a, b in zip(outs[True], outs[False]):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=2e-3, rtol=0)
+
+
+def test_a_new_variants_first_step_counts_as_compile_time():
+    """compile_seconds covers each batch variant's first step, as a whole-model step's does:
+    regions compiled before are timed in it too (one that takes 0.05 s a call adds 0.05 s per
+    layer), and later steps of a known variant add nothing."""
+    model = _model("v3", 2)
+    step = _compile(model)
+    prefill, _, decode = _steps(model, batch_sizes=(2,))[:3]
+    caches = model.allocate_caches(48, PAGE)
+    with torch.no_grad():
+        step(prefill, caches)
+        mlp = step.regions[("mlp", model.model.layers[1].mlp_kind)]
+        fast = mlp._fn
+
+        def slow(*args):
+            import time
+
+            time.sleep(0.05)
+            return fast(*args)
+
+        mlp._fn = slow
+        before, mlp_before = step.compile_seconds, mlp.seconds
+        step(decode, caches)  # a new variant: its attention region compiles, the MLP ones run
+        assert mlp.seconds - mlp_before >= 0.05 * sum(
+            layer.mlp_kind == model.model.layers[1].mlp_kind for layer in model.model.layers)
+        after = step.compile_seconds
+        assert after > before
+        step(decode, caches)  # known variant: nothing added
+        assert step.compile_seconds == after
