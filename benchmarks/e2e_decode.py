@@ -93,7 +93,6 @@ VARIANTS = {
 ORDER = [*HF_VARIANTS, *VARIANTS]  # run order: hf_compile compiles the faster of hf_eager / hf_sdpa
 ALIASES = {"hf": list(HF_VARIANTS), "backends": ["aiter", "flashmla", "flashinfer", "auto"],
            "ablations": ["no_fusion", "no_concat_elim", "ref_decode", "no_graphs"]}
-BACKEND_VARIANTS = ALIASES["backends"]  # their own column each, beside --backend's full stack
 
 
 def model_config(layers: int, tiny: bool) -> dict:
@@ -595,10 +594,10 @@ def tables(res: Results) -> str:
                  speedup(hf, full), speedup(nop, full)]
         out.append(f"| {b} | {c} | " + " | ".join(cells) + " |")
     # One column per backend that ran, the whole stack (compiled + graphs) each, beside --backend's.
-    others = [k for k in BACKEND_VARIANTS if any(r["variant"] == k for r in d["rows"])]
+    others = [k for k in ALIASES["backends"] if any(r["variant"] == k for r in d["rows"])]
     if others:
         out += ["", f"Backends: compiled + graphs, ms (time vs {d['backend']}'s full stack)", "",
-                f"| B | ctx | {d['backend']} | " + " | ".join(k for k in others) + " |",
+                f"| B | ctx | {d['backend']} | " + " | ".join(others) + " |",
                 "|---|---|---|" + "---|" * len(others)]
         for b, c in points:
             full = res.row("full", b, c)

@@ -72,7 +72,7 @@ def tie_gap(engine: Engine, prompts, got, base, parts) -> float:
     for prompt, g, b, i in zip(prompts, got, base, parts):
         if i < min(len(g), len(b)):
             ctx = list(prompt) + b[:i]
-            lp_got, lp_base = (engine.prompt_logprobs([ctx + [tok]])[0][-1].item() for tok in (g[i], b[i]))
+            lp_got, lp_base = (lp[-1].item() for lp in engine.prompt_logprobs([ctx + [g[i]], ctx + [b[i]]]))
             gap = max(gap, abs(lp_got - lp_base))
     return gap
 

@@ -53,8 +53,8 @@ class Region:
         graphs: graphs dynamo compiled for it (1, when nothing recompiles).
         report: its compile's report (None until compiled, or when Inductor's FX graph cache
             served the graph: the passes ran when it was first compiled, not here).
-        seconds: wall time of its compiling call (trace, passes, codegen, and one run), and
-            of its runs in each later batch variant's first step (see ``RegionalStep``).
+        seconds: wall time of its calls in batch variants' first steps, its compiling call
+            (trace, passes, codegen, and one run) among them; timed by ``RegionalStep``.
     """
 
     def __init__(self, label: str, method: str, compiler: Callable, torch_compile_kwargs: dict):
@@ -78,10 +78,8 @@ class Region:
     def __call__(self, module, *args):
         if self.graphs:
             return self._fn(module, *args)
-        start = time.perf_counter()
         with manager.collecting() as reports, specialized_floats():  # one trace, not two
             out = self._fn(module, *args)
-        self.seconds += time.perf_counter() - start
         if reports:
             self.report = reports[-1]
         return out
@@ -163,9 +161,7 @@ class RegionalStep:
             if ran is None:
                 return region(module, *args)
             ran.append((region, layer))
-            if not region.graphs:  # it compiles now and times that call itself
-                return region(module, *args)
-            start = time.perf_counter()
+            start = time.perf_counter()  # a new variant's first step: compiling, or a first run at its sizes
             out = region(module, *args)
             region.seconds += time.perf_counter() - start
             return out

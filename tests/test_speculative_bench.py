@@ -26,9 +26,10 @@ def test_tie_gap_scores_both_tokens_where_a_request_parts():
 
     class Scorer:  # log p(last token) = -token / 10, after checking the context is the common prefix
         def prompt_logprobs(self, prompts):
-            (ctx,) = prompts
-            assert ctx[:-1] == [7, 8, 1, 2]  # prompt + base tokens before the parting
-            return [torch.tensor([0.0] * (len(ctx) - 2) + [-ctx[-1] / 10])]
+            assert len(prompts) == 2  # the two tokens scored in one call
+            for ctx in prompts:
+                assert ctx[:-1] == [7, 8, 1, 2]  # prompt + base tokens before the parting
+            return [torch.tensor([0.0] * (len(ctx) - 2) + [-ctx[-1] / 10]) for ctx in prompts]
 
     prompts, base = [[7, 8], [9]], [[1, 2, 3, 4], [5, 6]]
     got = [[1, 2, 5, 4], [5, 6]]  # the first request parts at index 2 (5 instead of 3); the second is equal
