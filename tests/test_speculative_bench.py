@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import speculative as bench
 
 
@@ -36,3 +38,26 @@ def test_tie_gap_scores_both_tokens_where_a_request_parts():
     parts = [2, 2]
     assert abs(bench.tie_gap(Scorer(), prompts, got, base, parts) - 0.2) < 1e-6
     assert bench.tie_gap(Scorer(), prompts, base, base, [4, 2]) == 0.0
+
+
+def test_float32_check_fails_an_engine_that_parts_from_base():
+    """The check that gates timing: one changed token in one request of a variant is an error."""
+    from mlagraph.model import DeepseekForCausalLM
+
+    model = DeepseekForCausalLM.from_config(bench.model_config(1, tiny=True), init_std=0.2)
+    common = dict(max_num_seqs=2, max_model_len=24, page_size=4, cuda_graphs=False, progress=False)
+    engines = bench._engines(model, [1], common)
+    prompts = [[1, 2, 3], [4, 5]]
+    bench.check(engines, [1], prompts, 4, 2)  # the real engines agree
+
+    spec = engines["mtp_k1"]
+    real = spec.generate
+
+    def one_token_off(*args, **kwargs):
+        outs = real(*args, **kwargs)
+        outs[1].token_ids[2] = (outs[1].token_ids[2] + 1) % 256
+        return outs
+
+    spec.generate = one_token_off
+    with pytest.raises(RuntimeError, match=r"mtp_k1 at batch 2: 1 of 2 requests equal .*\(request 1 parts at token 2"):
+        bench.check(engines, [1], prompts, 4, 2)
