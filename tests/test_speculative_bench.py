@@ -61,3 +61,17 @@ def test_float32_check_fails_an_engine_that_parts_from_base():
     spec.generate = one_token_off
     with pytest.raises(RuntimeError, match=r"mtp_k1 at batch 2: 1 of 2 requests equal .*\(request 1 parts at token 2"):
         bench.check(engines, [1], prompts, 4, 2)
+
+
+def test_a_float32_run_is_its_own_check(monkeypatch, tmp_path):
+    """On CPU (float32) the timed runs' warm-ups are compared exactly: a parted request stops the run."""
+    real = bench._compare
+
+    def parted(engines, prompts, got, base):
+        same, parts, gap = real(engines, prompts, got, base)
+        return same - 1, [1] + parts[1:], gap
+
+    monkeypatch.setattr(bench, "_compare", parted)
+    with pytest.raises(RuntimeError, match=r"mtp_k1 at batch 2: 1 of 2 requests equal .*\(request 0 parts at token 1"):
+        bench.main(["--out", str(tmp_path), "--device", "cpu", "--tiny", "--batches", "2", "--ks", "1",
+                    "--new-tokens", "4", "--prompt-len", "3", "--layers", "1"])

@@ -9,6 +9,7 @@ CPU tests compile with ``mlagraph_eager`` (the same passes, no code generation);
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -279,8 +280,6 @@ def test_a_new_variants_first_step_counts_as_compile_time():
         fast = mlp._fn
 
         def slow(*args):
-            import time
-
             time.sleep(0.05)
             return fast(*args)
 
