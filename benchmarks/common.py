@@ -68,12 +68,14 @@ def write_json(out_dir: str | None, name: str, payload: dict) -> None:
 # DeepSeek-V3's MoE layer: 256 routed experts (top-8 of 8 groups, 4 kept), hidden 7168, expert
 # intermediate 2048, sigmoid scores with noaux_tc routing.
 V3_MOE = dict(dim=7168, inter=2048, experts=256, top_k=8, n_group=8, topk_group=4)
+V2_LITE_MOE = dict(dim=2048, inter=1408, experts=64, top_k=6, n_group=1, topk_group=1, routing="v2-lite")
 
 
 def moe_layer_args(num_tokens: int, *, dim: int, inter: int, experts: int, top_k: int, n_group: int,
-                   topk_group: int, device, fp8: bool, seed: int = 0) -> tuple:
-    """torch.ops.mlagraph.moe arguments for a V3-style layer with random bf16 activations and
-    experts ~ N(0, 1/fan_in); fp8: e4m3 + 128x128 block scales, quantized one expert at a time
+                   topk_group: int, device, fp8: bool, seed: int = 0, routing: str = "v3") -> tuple:
+    """torch.ops.mlagraph.moe arguments for a DeepSeek layer with random bf16 activations and
+    experts ~ N(0, 1/fan_in); routing "v3" (sigmoid, noaux_tc, normalized, x2.5) or "v2-lite"
+    (softmax, greedy, unnormalized, x1); fp8: e4m3 + 128x128 block scales, quantized one expert at a time
     (a float32 copy of all 256 experts would not fit). bf16 experts are the dequantized fp8
     ones, so both variants compute with the same numbers."""
     from mlagraph.ops.fp8 import dequantize_blockwise, quantize_blockwise
@@ -97,6 +99,9 @@ def moe_layer_args(num_tokens: int, *, dim: int, inter: int, experts: int, top_k
             stacks.append((w, None))
             del q, s
     (gate_up, gu_scale), (down, d_scale) = stacks
+    if routing == "v2-lite":
+        return (hidden, logits, gate_up, down, None, top_k, "softmax", "greedy", n_group, topk_group, False, 1.0,
+                gu_scale, d_scale)
     return (hidden, logits, gate_up, down, bias, top_k, "sigmoid", "noaux_tc", n_group, topk_group, True, 2.5,
             gu_scale, d_scale)
 

@@ -23,7 +23,7 @@ What:
   bf16): prefill with ``logits_to_keep=1``; decode over a DynamicCache filled by a real prefill
   of B x context random tokens and cropped back to ``context`` before every timed step. Before
   timing, both models' logprobs of one prompt are compared (``check`` in the JSON).
-- ``v3_layer``: ``torch.ops.mlagraph.moe`` at DeepSeek-V3's MoE dims (256 experts, hidden 7168,
+- ``v3_layer``: the --backend's ``moe`` op at DeepSeek-V3's MoE dims (256 experts, hidden 7168,
   intermediate 2048, top-8 noaux_tc), bf16 and fp8 experts (the same numbers), at each
   --tokens count, checked against the all-experts oracle, timed over CUDA-graph replays, next
   to its floor: the bytes of the experts the batch touches at 4.25 TB/s, or its FLOPs at
@@ -286,6 +286,10 @@ def time_call(fn, device, iters: int) -> float:
 
 
 def run_v3_layer(args, device, rows: list) -> None:
+    from mlagraph.ops import backends
+
+    # the --backend's moe, as the model runs it (triton: its pair kernels at decode sizes)
+    moe_op = backends.get(args.backend, device.type).op("moe")
     dims = SMOKE_V3_MOE if args.smoke else V3_MOE
     flops_per_token = 2 * dims["top_k"] * 3 * dims["dim"] * dims["inter"]
     for fp8 in (False, True):
@@ -298,11 +302,11 @@ def run_v3_layer(args, device, rows: list) -> None:
             row = {"part": "v3_layer", "experts": label, "tokens": n, "touched_experts": touched,
                    "floor_ms": floor * 1e3}
             try:
-                out = torch.ops.mlagraph.moe(*a)
+                out = moe_op(*a)
                 if n <= args.check_tokens:  # the oracle runs all 256 experts on every token
                     want = moe_all_experts(*a).float()
                     row["rel_err"] = ((out.float() - want).norm() / want.norm()).item()
-                s = time_call(lambda: torch.ops.mlagraph.moe(*a), device, args.iters)
+                s = time_call(lambda: moe_op(*a), device, args.iters)
                 row.update(ms=s * 1e3, floor_ratio=s / floor)
                 print(f"[v3_layer] {label} T={n}: {s * 1e3:.3f} ms, floor {floor * 1e3:.3f} ms ({touched} experts), "
                       f"rel err {row.get('rel_err', float('nan')):.2e}", flush=True)

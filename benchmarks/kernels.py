@@ -180,10 +180,13 @@ def kernels(module: str):
     return importlib.import_module(f"mlagraph.ops.triton.{module}")
 
 
-def sweep(run, fn, check, configs, prefix: str = "triton") -> None:
-    """Config variants of our kernel: ``<prefix>:<key=value,...>`` rows."""
+def sweep(run, fn, check, configs, prefix: str = "triton", graphs: bool = False) -> None:
+    """Config variants of our kernel: ``<prefix>:<key=value,...>`` rows (``graphs``: timed as
+    CUDA-graph replays, for launch-bound sizes)."""
     for cfg in configs:
-        run.run(f"{prefix}:" + ",".join(f"{k}={v}" for k, v in cfg.items()), lambda cfg=cfg: fn(config=cfg), check)
+        call = lambda cfg=cfg: fn(config=cfg)  # noqa: E731
+        run.run(f"{prefix}:" + ",".join(f"{k}={v}" for k, v in cfg.items()), call, check,
+                **({"graph_fns": [call]} if graphs else {}))
 
 
 def run_aiter_backend(run, fn, check, **kw) -> None:
@@ -234,25 +237,31 @@ ROW_BYTES = {"bf16": 1152, "fp8": 576, "fp8_ds": 656}
 
 
 def bench_decode(rows, args, g):
-    cases = [(128, 128, 4096, "bf16"), (128, 128, 1151, "bf16"), (16, 128, 4096, "bf16"),
-             (16, 128, 4096, "fp8"), (16, 128, 4096, "fp8_ds"), (16, 64, 16384, "bf16")]
-    for h, b, ctx, layout in cases:
-        name = f"mla_decode H={h} B={b} L={ctx} {layout}"
+    cases = [(128, 128, 4096, "bf16", 1), (128, 128, 1151, "bf16", 1), (16, 128, 4096, "bf16", 1),
+             (16, 128, 4096, "fp8", 1), (16, 128, 4096, "fp8_ds", 1), (16, 64, 16384, "bf16", 1),
+             (16, 128, 4096, "bf16", 2), (128, 128, 4096, "bf16", 2), (16, 1, 1024, "bf16", 1)]
+    for h, b, ctx, layout, s_q in cases:
+        name = f"mla_decode H={h} B={b} L={ctx} {layout}" + (f" s_q={s_q}" if s_q > 1 else "")
         print(name, flush=True)
         cache, scale, table, lens = paged_cache(layout, [ctx] * b, 64, g)
-        q_nope = torch.randn(b, 1, h, L, device="cuda", dtype=torch.bfloat16)
-        q_pe = torch.randn(b, 1, h, R, device="cuda", dtype=torch.bfloat16)
-        flops = 2 * h * 1088 * b * ctx
+        q_nope = torch.randn(b, s_q, h, L, device="cuda", dtype=torch.bfloat16)
+        q_pe = torch.randn(b, s_q, h, R, device="cuda", dtype=torch.bfloat16)
+        flops = 2 * h * s_q * 1088 * b * ctx
         nbytes = ROW_BYTES[layout] * b * ctx + q_nope.numel() * 2 * 2 + q_pe.numel() * 2
         args_ = (q_nope, q_pe, cache, table, lens, scale, layout, SM_SCALE)
         want = REF.mla_decode(*args_)[0]
         check = lambda out: rel_err(out[0], want)  # noqa: E731
         run = Runner(rows, name, flops, nbytes, tol=2e-2)
-        run.run("triton", lambda: OURS.mla_decode(*args_), check)
+        small = b == 1  # a few microseconds: timed as CUDA-graph replays
+        ours = lambda: OURS.mla_decode(*args_)  # noqa: E731
+        run.run("triton", ours, check, **({"graph_fns": [ours]} if small else {}))
         if args.sweep:
             dec = kernels("decode").mla_decode_with_config
-            sweep(run, lambda config: dec(*args_, config=config), check, DECODE_SWEEP.get((h, layout), []))
+            cfgs = DECODE_SWEEP.get((h, layout, s_q, b), DECODE_SWEEP.get((h, layout, s_q), []))
+            sweep(run, lambda config: dec(*args_, config=config), check, cfgs, graphs=small)
         run.run("eager", lambda: REF.mla_decode(*args_), check)
+        if s_q > 1:
+            continue  # the peers below take one query token (the flash workload has FlashMLA / FlashInfer at s_q 2)
         if args.compile and (h, b, ctx, layout) in ((16, 128, 4096, "bf16"), (128, 128, 4096, "bf16")):
             ref_c = inductor(reference_body("decode", "mla_decode"))
             run.run("inductor", lambda: ref_c(*args_), check)
@@ -290,14 +299,22 @@ AITER_DECODE_SWEEP = {
     16: [{"num_kv_splits": 1}, {"num_kv_splits": 8}, {"block_n": 64}, {"block_n": 16}, {"num_stages": 2}],
 }
 
-DECODE_SWEEP = {
-    (128, "bf16"): [{"BLOCK_N": 32}, {"BLOCK_N": 64, "num_stages": 1}, {"BLOCK_N": 128, "num_stages": 1},
-                    {"MAX_SPLITS": 2}, {"BLOCK_N": 64, "num_warps": 4}],
-    (16, "bf16"): [{"MAX_SPLITS": 4}, {"BLOCK_N": 16}, {"BLOCK_N": 64}, {"BLOCK_N": 32, "num_stages": 3}],
-    (16, "fp8"): [{"FP16_DOT": True}, {"FP16_DOT": True, "MAX_SPLITS": 4}, {"FP16_DOT": True, "BLOCK_N": 64},
-                  {"MAX_SPLITS": 4}, {"BLOCK_N": 64, "num_warps": 8}],
-    (16, "fp8_ds"): [{"FP16_DOT": True}, {"FP16_DOT": True, "MAX_SPLITS": 4}, {"FP16_DOT": True, "BLOCK_N": 64},
-                     {"MAX_SPLITS": 4}, {"BLOCK_N": 64, "num_warps": 8}],
+DECODE_SWEEP = {  # (heads, layout, s_q) -> config overrides
+    (128, "bf16", 1): [{"BLOCK_N": 32}, {"BLOCK_N": 64, "num_stages": 1}, {"BLOCK_N": 128, "num_stages": 1},
+                       {"MAX_SPLITS": 2}, {"BLOCK_N": 64, "num_warps": 4}],
+    (16, "bf16", 1): [{"MAX_SPLITS": 4}, {"MAX_SPLITS": 8}, {"BLOCK_N": 16}, {"BLOCK_N": 64},
+                      {"BLOCK_N": 32, "num_stages": 3}, {"BLOCK_N": 32, "num_stages": 4}, {"num_warps": 8}],
+    (16, "fp8", 1): [{"FP16_DOT": False}, {"MAX_SPLITS": 8}, {"BLOCK_N": 64}, {"BLOCK_N": 64, "num_warps": 8},
+                     {"num_stages": 3}, {"BLOCK_N": 16}],
+    (16, "fp8_ds", 1): [{"FP16_DOT": False}, {"MAX_SPLITS": 8}, {"BLOCK_N": 64}, {"BLOCK_N": 64, "num_warps": 8},
+                        {"num_stages": 3}, {"BLOCK_N": 16}],
+    # 32 rows: q and the [32, 512] accumulator in 4 warps' registers spill; 8 warps halve both
+    (16, "bf16", 2): [{"num_warps": 8}, {"num_warps": 8, "BLOCK_N": 64}, {"num_warps": 8, "num_stages": 3},
+                      {"num_warps": 8, "MAX_SPLITS": 8}, {"BLOCK_N": 16}],
+    (128, "bf16", 2): [{"BLOCK_N": 32}, {"MAX_SPLITS": 2}],
+    # batch 1 (V2-Lite-sized decode): how many splits pay for their combine
+    (16, "bf16", 1, 1): [{"MAX_SPLITS": 1}, {"MAX_SPLITS": 2}, {"MAX_SPLITS": 4}, {"MAX_SPLITS": 8},
+                         {"BLOCK_N": 64, "MAX_SPLITS": 4}],
 }
 
 
@@ -582,33 +599,75 @@ def bench_cache(rows, args, g):
 
 
 def bench_moe(rows, args, g):
-    """One DeepSeek-V3 MoE layer (256 experts, top-8, hidden 7168, intermediate 2048): decode
-    (T = 1, 128) and prefill (T = 8192); bytes = the experts the batch touches."""
-    from common import V3_MOE, moe_floor_bytes, moe_layer_args
+    """DeepSeek MoE layers: V2-Lite's (64 experts, hidden 2048, intermediate 1408, top-6) at
+    decode sizes and V3's (256 experts, hidden 7168, intermediate 2048, top-8) at decode and
+    prefill (T = 8192); bytes = the experts the batch touches. Rows: ``grouped`` (the generic
+    op: tokens sorted by expert, two grouped GEMMs), ``triton`` (the triton backend's op: the
+    pair kernels up to PAIRS_PER_EXPERT_MAX, the grouped path above), ``triton-pairs`` (the
+    pair kernels forced at every size: where the switch belongs), ``triton-grouped`` (the
+    generic sort with our Triton grouped GEMM for bf16 experts) and, with --sweep, tiles;
+    decode sizes are timed as CUDA-graph replays (the engine's way)."""
+    from common import V2_LITE_MOE, V3_MOE, moe_floor_bytes, moe_layer_args
 
-    from mlagraph.ops.moe import moe_all_experts
+    from mlagraph.ops.moe import moe_all_experts, route
 
-    tokens = (1, 128, 8192)
-    for fp8 in (False, True):
+    tm = kernels("moe")
+    limits = dict(tm.PAIRS_PER_EXPERT_MAX)
+
+    def forced_pairs(a):
+        tm.PAIRS_PER_EXPERT_MAX.update(bf16=1e9, fp8=1e9)  # only while the call (or its capture) runs
+        try:
+            return OURS.moe(*a)
+        finally:
+            tm.PAIRS_PER_EXPERT_MAX.update(limits)
+
+    cases = [("V2-Lite", V2_LITE_MOE, False, (1, 2, 4, 8, 16, 32, 64)),
+             ("V3", V3_MOE, False, (1, 4, 8, 16, 32, 128, 8192)),
+             ("V3", V3_MOE, True, (1, 4, 8, 16, 32, 128, 8192))]
+    sweep_cfgs = [{"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}, {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4},
+                  {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 8},
+                  {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}, {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2},
+                  {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}]
+    for model, dims, fp8, tokens in cases:
         label = "fp8" if fp8 else "bf16"
-        base = moe_layer_args(max(tokens), device="cuda", fp8=fp8, **V3_MOE)
+        if args.moe_cases and f"{model}-{label}" not in args.moe_cases.split(","):
+            continue
+        base = moe_layer_args(max(tokens), device="cuda", fp8=fp8, **dims)
         for t in tokens:
             a = (base[0][:t], base[1][:t], *base[2:])
             nbytes, touched = moe_floor_bytes(a)
-            name = f"moe V3 T={t} {label} ({touched} experts)"
+            name = f"moe {model} T={t} {label} ({touched} experts)"
             print(name, flush=True)
             want = moe_all_experts(*a)
             check = lambda out, want=want: rel_err(out, want)  # noqa: E731
             # W8A8 (fp8 prefill) carries e4m3's rounding of the activations before both GEMMs:
             # 4.4% relative on the H200 (tests/ops/test_moe.py), hence its wider tolerance.
             tol = 6e-2 if fp8 and t > 128 else 2e-2
-            flops = 2 * t * V3_MOE["top_k"] * 3 * V3_MOE["dim"] * V3_MOE["inter"]
+            flops = 2 * t * dims["top_k"] * 3 * dims["dim"] * dims["inter"]
             run = Runner(rows, name, flops, nbytes, tol=tol)
-            ours, oracle = (lambda a=a: REF.moe(*a)), (lambda a=a: moe_all_experts(*a))
-            graphs = {"graph_fns": [ours]} if t <= 128 else {}
-            run.run("grouped-fp8" if fp8 else "grouped", ours, check, **graphs)
-            torch.cuda.empty_cache()  # the oracle dequantizes all 256 experts (28 GiB at T=8K)
-            run.run("all-experts", oracle, check, **({"graph_fns": [oracle]} if t <= 128 else {}))
+            decode = t <= 128
+
+            def variant(label_, fn):
+                run.run(label_, fn, check, **({"graph_fns": [fn]} if decode else {}))
+
+            variant("grouped-fp8" if fp8 else "grouped", lambda a=a: REF.moe(*a))
+            variant("triton", lambda a=a: OURS.moe(*a))
+            if decode:
+                variant("triton-pairs", lambda a=a: forced_pairs(a))
+                if not fp8:  # our grouped Triton GEMM in place of F.grouped_mm, same sort
+                    variant("triton-grouped", lambda a=a: tm.grouped_triton(a[0], *route(a[1], *a[4:12]), a[2], a[3]))
+                if args.sweep and t <= 16:
+                    fp8_cfgs = [{"BLOCK_N": 32, "num_warps": 8}, {"BLOCK_N": 64, "num_warps": 4},
+                                {"BLOCK_N": 16, "num_warps": 4}, {"BLOCK_N": 128, "num_warps": 8}]
+                    for cfg in sweep_cfgs if not fp8 else fp8_cfgs:
+                        cfg_name = "triton-pairs:" + ",".join(f"{k}={v}" for k, v in cfg.items())
+                        variant(cfg_name, lambda a=a, cfg=cfg: tm.routed_experts(
+                            a[0], *route(a[1], *a[4:12]), a[2], a[3], a[12], a[13], None, config=cfg))
+            if model == "V3" and (t == 1 or t == max(tokens)) and not (fp8 and t > 1):
+                # the oracle as a peer at the ends only (fp8: it dequantizes all 256 experts
+                # per call, 110 ms, and 28 GiB at T=8K)
+                torch.cuda.empty_cache()
+                run.run("all-experts", lambda a=a: moe_all_experts(*a), check)
             del want
         del base
         torch.cuda.empty_cache()
@@ -629,6 +688,7 @@ def main() -> None:
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile peers")
     p.add_argument("--sweep", action="store_true",
                    help="also time config variants of our kernels (triton's, and the aiter backend's decode)")
+    p.add_argument("--moe-cases", default="", help="moe only: comma list of V2-Lite-bf16, V3-bf16, V3-fp8 (default all)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py times GPU kernels: no CUDA device here")

@@ -1,6 +1,7 @@
 """Where a decode step's time goes: the engine step, the graph replay alone, and per kernel.
 
     python benchmarks/profile_decode.py --batch 32 --ctx 1024 [--layers 2] [--backend triton] [--out DIR]
+        [--model v3-shaped|v2-lite] [--moe backend|reference]
 
 Builds the random DeepSeek-V3-shaped model (mlagraph.model.config.deepseek_v3_shaped, bf16),
 an Engine with compile + CUDA graphs for exactly this batch size, fills the latent cache with
@@ -35,10 +36,23 @@ def main() -> None:
     p.add_argument("--backend", default="triton")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
+    p.add_argument("--model", choices=("v3-shaped", "v2-lite"), default="v3-shaped",
+                   help="v2-lite: DeepSeek-V2-Lite's dims (benchmarks/e2e_model.py), --layers of them")
+    p.add_argument("--moe", choices=("backend", "reference"), default="backend",
+                   help="reference: the generic grouped moe op in place of the backend's")
     args = p.parse_args()
 
-    model = DeepseekForCausalLM.from_config(deepseek_v3_shaped(args.layers), backend=args.backend, device="cuda",
-                                            dtype=torch.bfloat16)
+    if args.model == "v2-lite":
+        from e2e_model import V2_LITE
+
+        config = {**V2_LITE, "num_hidden_layers": args.layers, "model_type": "deepseek_v2"}
+    else:
+        config = deepseek_v3_shaped(args.layers)
+    model = DeepseekForCausalLM.from_config(config, backend=args.backend, device="cuda", dtype=torch.bfloat16)
+    if args.moe == "reference":
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "_moe"):
+                layer.mlp._moe = torch.ops.mlagraph.moe
     t0 = time.perf_counter()
     engine = Engine(model, max_num_seqs=args.batch, max_model_len=args.ctx + 16, page_size=64, compile=True,
                     cuda_graphs=True, cuda_graph_batch_sizes=[args.batch])
@@ -72,7 +86,8 @@ def main() -> None:
         print(table)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"profile_B{args.batch}_L{args.ctx}.txt"), "w") as f:
+            name = f"profile_{args.model}_{args.layers}L_moe-{args.moe}_B{args.batch}_L{args.ctx}.txt"
+            with open(os.path.join(args.out, name), "w") as f:
                 f.write(table)
     except Exception as e:  # CUPTI may be unavailable in a sandbox
         print(f"torch.profiler: {type(e).__name__}: {e}")

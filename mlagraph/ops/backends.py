@@ -170,8 +170,8 @@ _COMPOSED: dict[str, Backend] = {}  # "auto" compositions made so far, by name (
 
 def library_fallbacks(own) -> dict[str, str]:
     """The fallbacks of a backend over a kernel library that has kernels for the ops ``own``:
-    triton's op for every other generic op, or, where triton itself declares a fallback (``moe``,
-    DeepSeek-V4's prefill attentions and indexer), the op it falls back to. aiter, flashmla and
+    triton's op for every other generic op, or, where triton itself declares a fallback
+    (DeepSeek-V4's MoE and window-cache write), the op it falls back to. aiter, flashmla and
     flashinfer share it; the triton backend must be registered first."""
     triton = _REGISTRY["triton"].capabilities.fallbacks
     return {g: triton.get(g, "triton") for g in GENERIC_OPS if g not in own}

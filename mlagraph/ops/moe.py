@@ -369,13 +369,22 @@ def moe(
         router_logits, e_score_correction_bias, top_k, scoring_func, topk_method, n_group, topk_group,
         norm_topk_prob, routed_scaling_factor,
     )
+    return routed_grouped(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale,
+                          router_logits.shape[1], first_expert)
+
+
+def routed_grouped(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, num_routed,
+                   first_expert=None) -> torch.Tensor:
+    """``moe``'s result from its routing (weights, ids [T, k]): rows grouped by expert and the
+    grouped GEMMs where they run, else the all-experts path. ``num_routed``: E, the experts the
+    router scores (more than gate_up_proj holds under expert parallelism)."""
     gemms = _grouped_gemms(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
     if gemms is not None:
         return _grouped_experts(hidden, weights, ids, gate_up_proj.shape[0], *gemms, first_expert=first_expert)
     # No grouped GEMM for this device and dtype (CUDA float32, say): the all-experts path,
     # which needs no host sync either, so the op stays capturable.
     gate_up, down = _expert_weights(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
-    return _all_experts(hidden, weights, ids, gate_up, down, router_logits.shape[1], first_expert)
+    return _all_experts(hidden, weights, ids, gate_up, down, num_routed, first_expert)
 
 
 @moe.register_fake

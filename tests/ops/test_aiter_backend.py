@@ -81,7 +81,7 @@ def test_capability_table():
     assert caps.cuda_graph_safe == frozenset(backends.GENERIC_OPS)
     assert dict(caps.fallbacks) == {
         "rope": "triton", "latent_cache_write": "triton", "latent_cache_read": "triton", "mha_prefill": "triton",
-        "sparse_mla": "triton", "indexer_cache_write": "triton", "indexer_topk": "triton", "moe": "reference",
+        "sparse_mla": "triton", "indexer_cache_write": "triton", "indexer_topk": "triton", "moe": "triton",
         # DeepSeek-V4: triton's kernels where it has them, otherwise the reference it falls back to
         **{g: backends.get("triton").capabilities.fallbacks.get(g, "triton") for g in backends.V4_OPS},
     }

@@ -1,8 +1,8 @@
 """The ``aiter`` backend: AMD aiter's Triton MLA kernels behind the generic ops, with their real contracts.
 
 aiter (PyPI ``amd-aiter``) has two Triton kernels this backend uses; every other generic op is
-a DECLARED fallback (``Capabilities.fallbacks``) to the triton backend's op (``moe``: the
-reference op), mapped in ``op_names``, so nothing is decided at run time:
+a DECLARED fallback (``Capabilities.fallbacks``) to the triton backend's op (V4's MoE and
+window-cache write: the reference op), mapped in ``op_names``, so nothing is decided at run time:
 
 - ``mlagraph_aiter::fused_rope_concat_cache_write``: aiter's ``fused_qk_rope_cat_and_cache_mla``.
   It rotates q_pe and k_pe itself, writes the latent cache itself and returns q; its K output

@@ -9,7 +9,7 @@ made once per step from the batch's host metadata (mlagraph.ops.host_plan):
 - ``mha_prefill``: ``BatchPrefillWithRaggedKVCacheWrapper`` (fa3), ragged causal attention with
   q/k 192 and v 128, keys = cached prefix + new tokens.
 
-Every other generic op is a declared fallback to triton's (moe and V4: reference), the fused
+Every other generic op is a declared fallback to triton's (V4's MoE and window write: reference), the fused
 RoPE + cache write included: the fusion pass targets triton's fused op on this backend.
 FlashInfer's own RoPE / RoPE + quantize / paged MLA append helpers are not mapped: for a bf16
 cache they are two kernels and a concat against triton's one (docs/design.md). Registered whether or not the package is installed.

@@ -12,7 +12,7 @@ is for SM90 (``Capabilities.sm``). Two generic ops run FlashMLA's kernels (:mod:
 - ``sparse_mla``: ``bf16`` -> the sparse prefill kernel over the flat cache rows;
   ``fp8_ds`` -> the sparse fp8 decode kernel, one query per token. Both take 64 or 128 heads.
 
-Every other generic op is a declared fallback (triton; moe and V4 ops: reference), so the fusion
+Every other generic op is a declared fallback (triton; V4's MoE and window write: reference), so the fusion
 pass targets triton's fused RoPE + cache write, which writes both layouts. The twins run the
 generic checks plus what FlashMLA cannot take (a ValueError naming the argument, eagerly and
 under fake tensors). Registered whether or not the package is installed.

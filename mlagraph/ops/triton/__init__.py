@@ -2,8 +2,8 @@
 
 Each generic op ``mlagraph::<op>`` gets a twin ``mlagraph_triton::<op>`` with the same schema,
 the same argument checks (so the same errors, eagerly and under fake tensors) and the same fake
-kernel; only the implementation differs. ``moe`` has no kernel of ours: the capability table
-declares that it uses the reference op.
+kernel; only the implementation differs. V4's MoE and window-cache write have no kernel of
+ours: the capability table declares that they use the reference op.
 
 Kernel modules are imported on the first call, so ``import mlagraph`` never needs Triton and
 reading the capability table costs nothing:
@@ -17,6 +17,8 @@ reading the capability table costs nothing:
 - :mod:`.sink_attention` ``swa_decode``, ``hca_decode``, ``csa_decode`` and the prefill forms
   ``swa_attention``, ``hca_attention``, ``csa_attention`` (DeepSeek-V4's attentions, one kernel)
 - :mod:`.compressor` ``compressor_update`` (DeepSeek-V4's compressors: state rows, pooled entries)
+- :mod:`.moe`        ``moe`` (decode-sized batches: one GEMV launch per projection over the routed
+  pairs, no sort; larger batches: the generic op's grouped GEMMs)
 
 Kernels run on CUDA tensors. CPU tensors run through Triton's interpreter, which Triton turns on
 for kernels defined while ``TRITON_INTERPRET=1`` is set (the CPU test suite sets it); without
@@ -29,7 +31,7 @@ import importlib.util
 
 # Aliased: the kernel modules below share these names (mlagraph.ops.triton.decode is ours).
 from .. import cache as _cache, decode as _decode, indexer as _indexer, prefill as _prefill, rope as _rope
-from .. import compressor as _compressor, sparse as _sparse, swa as _swa, swa_decode as _swa_decode
+from .. import compressor as _compressor, moe as _moe, sparse as _sparse, swa as _swa, swa_decode as _swa_decode
 from ..backends import GENERIC_OPS, V4_OPS, Backend, Capabilities, op_names_for, register
 from ..twins import define_twin
 
@@ -59,6 +61,10 @@ _OPS = {
     "csa_attention": ("sink_attention", _swa._check_csa, _swa._csa_attention_fake),
     "compressor_update": ("compressor", _compressor._check_compressor, _compressor._compressor_update_fake),
     "csa_indexer_topk": ("indexer", _compressor._check_indexer, _compressor._csa_indexer_topk_fake),
+    "moe": ("moe", lambda hidden, logits, gate_up, down, bias, top_k, scoring, method, n_group, topk_group, norm,
+            scaling, gate_up_scale=None, down_scale=None, first_expert=None: _moe._check_moe(
+                hidden, logits, gate_up, down, bias, top_k, scoring, method, n_group, topk_group, scaling,
+                gate_up_scale, down_scale, first_expert), _moe.moe_fake),
 }
 
 
@@ -66,8 +72,8 @@ for _generic, (_module, _check, _fake) in _OPS.items():
     define_twin(NAMESPACE, _generic, _check, _fake, f"{__name__}.{_module}")
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
-# No kernel of ours: the reference op (V4's MoE and window-cache write among them).
-_FALLBACKS = {g: "reference" for g in ("moe", *V4_OPS) if g not in _OPS}
+# No kernel of ours: the reference op (V4's MoE and window-cache write).
+_FALLBACKS = {g: "reference" for g in V4_OPS if g not in _OPS}
 
 TRITON = register(
     Backend(

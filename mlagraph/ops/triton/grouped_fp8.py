@@ -1,5 +1,7 @@
 """A grouped GEMM over fp8 block-scaled expert weights: what ``mlagraph::moe`` runs on CUDA
 for fp8 experts, so each routed expert's e4m3 weights are read once, as e4m3.
+:func:`grouped_float_mm` runs the same schedule over float experts (a peer of ``F.grouped_mm``
+for decode-sized groups).
 
     out[r, n] = sum_k x[r, k] * W[e(r), n, k] * scale[e(r), n // 128, k // 128]
 
@@ -42,7 +44,7 @@ def _grouped_fp8_kernel(
     x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, N, K,
     stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    A_FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    A_FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, W_FP8: tl.constexpr = True,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + pid_m)
@@ -60,16 +62,19 @@ def _grouped_fp8_kernel(
             k_ok = ks < K
             x_mask, w_mask = row_ok[:, None] & k_ok[None, :], col_ok[:, None] & k_ok[None, :]
             x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0)
-            w8 = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0)
-            scale = tl.load(s_base + k0 // 128, mask=col_ok, other=0.0)  # [BLOCK_N]: one per column's block row
-            if A_FP8:  # e4m3 x e4m3 on the tensor cores, both scales applied to the block's product
+            w8 = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0)  # e4m3 bits, or floats
+            if not W_FP8:  # float experts (x's dtype): the same schedule, no scales
+                acc = _dot(x, tl.trans(w8), acc, PRECISION, UPCAST)
+            elif A_FP8:  # e4m3 x e4m3 on the tensor cores, both scales applied to the block's product
                 x_scale = tl.load(xs_ptr + rows * stride_xs + k0 // 128, mask=row_ok, other=0.0)  # [BLOCK_M]
+                scale = tl.load(s_base + k0 // 128, mask=col_ok, other=0.0)  # [BLOCK_N]: one per column's block row
                 if UPCAST:  # the interpreter: exact float32 products of the e4m3 values
                     part = tl.dot(from_fp8_bits(x), tl.trans(from_fp8_bits(w8)), input_precision="ieee")
                 else:
                     part = tl.dot(x.to(tl.float8e4nv, bitcast=True), tl.trans(w8.to(tl.float8e4nv, bitcast=True)))
                 acc += part * x_scale[:, None] * scale[None, :]
             else:  # weights dequantized in registers, x as it is
+                scale = tl.load(s_base + k0 // 128, mask=col_ok, other=0.0)
                 w = (from_fp8_bits(w8) * scale[:, None]).to(x.dtype)
                 acc = _dot(x, tl.trans(w), acc, PRECISION, UPCAST)
         out = out_ptr + rows[:, None] * stride_om + cols[None, :]
@@ -134,5 +139,32 @@ def grouped_fp8_mm(
         scale.stride(1), out.stride(0),
         NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, A_FP8=quantize_activations,
         PRECISION="ieee" if out_dtype == torch.float32 else "tf32", UPCAST=in_interpreter,
+    )
+    return out
+
+
+def grouped_float_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``F.grouped_mm(x, w.transpose(1, 2), offs=offs)`` by the same tile schedule and kernel,
+    for float experts: x [R, K] (rows sorted by expert), w [E, N, K] in x's dtype, offs [E] int32
+    group ends -> [R, N] in x's dtype. Decode-sized groups (a few rows an expert) take 16-row
+    tiles: an expert's weights are read once per 16 of its rows."""
+    check_runnable("moe", _grouped_fp8_kernel, x, namespace="mlagraph")
+    num_rows, k = x.shape
+    num_experts, n = w.shape[:2]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(2) == 1 else w.contiguous()
+    in_interpreter = interpreted(_grouped_fp8_kernel)
+    block_m = 16 if in_interpreter or num_rows <= 4 * num_experts else 64
+    expert, row0, row_end = tile_schedule(offs, num_rows, block_m)
+    block_n = 32 if in_interpreter else 64 if expert.shape[0] * triton.cdiv(n, 128) < 2 * hardware(x.device).num_sms else 128
+    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    no_scale = x.new_empty(0, dtype=torch.float32)
+    _grouped_fp8_kernel[(expert.shape[0], triton.cdiv(n, block_n))](
+        x, no_scale, w, no_scale, out, expert, row0, row_end, n, k,
+        x.stride(0), 0, w.stride(0), w.stride(1), 0, 0, out.stride(0),
+        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, A_FP8=False,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=in_interpreter, W_FP8=False,
     )
     return out

@@ -1,0 +1,260 @@
+"""Triton ``moe``: decode-sized batches in three launches with no sort, mid-sized ones through
+our grouped GEMM, large ones through the generic op.
+
+The generic op (:mod:`mlagraph.ops.moe`) sorts the T*top_k (token, slot) rows by expert and
+runs two grouped GEMMs; between routing and the result that is about twenty small kernels
+(argsort, histogram, cumsum, gathers, the GEMMs, activation, scatter back, weighted sum). At
+decode, where T*top_k is a few dozen rows, those launches cost more than reading the experts'
+weights (a V2-Lite layer at batch 1 reads 6 experts, 104 MB, in about 25 us). Here, for batches
+of at most :data:`PAIRS_PER_EXPERT_MAX` pairs per expert:
+
+1. ``_gate_up_kernel``, grid (pairs, cdiv(I, BLOCK_N)): pair p = (token t, slot j) with expert
+   e = ids[t, j]; gate and up rows [BLOCK_N] of W_e times hidden[t], float32 sums, each rounded
+   to hidden's dtype (as the grouped GEMM's output is), then silu(gate) * up in float32,
+   stored in hidden's dtype: act [pairs, I].
+2. ``_down_kernel``, grid (pairs, cdiv(D, BLOCK_N)): y[p] = down_e @ act[p], rounded to
+   hidden's dtype, stored as float32 [pairs, D].
+3. ``_combine_kernel``, grid (T, cdiv(D, BLOCK_D)): out[t] = sum_j weight[t, j] * y[t*k + j]
+   in float32 (slot order), stored in hidden's dtype: no atomics, the same sum every run.
+
+Each program is a GEMV over one pair's expert: its tile of weight rows is read once, as stored
+(fp8 experts as e4m3 bytes, times their 128x128 block scales, rounded to hidden's dtype: the
+numbers the reference's dequantization makes). Pairs vary fastest in the grid, so pairs that
+share an expert read the same weight rows at about the same time and the second read is an L2
+hit; an expert no pair picked is never read. Expert parallel (``first_expert``): a pair whose
+expert lives on another rank computes nothing and weighs 0.
+
+Bigger batches sort the rows by expert as the generic op does (tensor-core GEMMs): up to
+:data:`TRITON_GROUPED_PER_EXPERT_MAX` rows an expert with our Triton grouped GEMM
+(:func:`~.grouped_fp8.grouped_float_mm`, 16-row tiles), past it (prefill) with the generic op's.
+:func:`path_for` decides, from shapes only.
+Routing is the generic op's :func:`~mlagraph.ops.moe.route` (the same torch ops as
+transformers, so the same experts). Nothing reads a value on the host: capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import moe as _generic
+from ._fp8 import from_fp8_bits
+from ._hardware import interpreted
+from ._launch import check_runnable
+
+# Where each path pays, in (token, expert) pairs per expert of the layer (T * top_k / E), from
+# the H200 (2026-12-04, benchmarks/kernels.py --only moe; times below are CUDA-graph replays):
+# - bf16 experts, the pair kernels win at 1.5 a expert (V2-Lite T=16: 327 us against 407 for
+#   the generic op's F.grouped_mm) and lose at 3 (T=32: 543 vs 481); V3 ties at 1 (T=32: 4274
+#   vs 4316). Past them our Triton grouped GEMM (16-row tiles) beats F.grouped_mm up to the
+#   6 a expert measured (V2-Lite T=32: 407 vs 481 us; T=64: 451 vs 480).
+# - fp8 experts, against the grouped fp8 kernel: the pair kernels win at 1/8 a expert (V3 T=4:
+#   535 vs 558 us) and lose at 1/4 (T=8: 972 vs 874).
+PAIRS_PER_EXPERT_MAX = {"bf16": 1.5, "fp8": 0.125}
+TRITON_GROUPED_PER_EXPERT_MAX = 8.0  # bf16 experts: our grouped GEMM up to here, F.grouped_mm past it
+SCALE_BLOCK = 128  # fp8 experts: one float32 scale per 128 x 128 weight block
+
+
+@triton.jit
+def _expert_of(ids_ptr, p, first_expert, num_local):
+    """Pair p's local expert id, and whether this rank holds it."""
+    e = tl.load(ids_ptr + p).to(tl.int32) - first_expert
+    return e, (e >= 0) & (e < num_local)
+
+
+@triton.jit
+def _weight_tile(w_row_ptrs, s_row_ptrs, k0, ks, row_ok, mask, FP8: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] weights in float32, equal to the stored ones in OUT_DTYPE (fp8: the
+    e4m3 value times its block's scale, rounded to OUT_DTYPE as the reference dequantizes; a
+    tile never straddles two scale blocks, so one scale a row: [BLOCK_N, 1])."""
+    w = tl.load(w_row_ptrs + ks[None, :], mask=mask, other=0)
+    if FP8:
+        scale = tl.load(s_row_ptrs + k0 // 128, mask=row_ok, other=0.0)
+        w = (from_fp8_bits(w) * scale).to(OUT_DTYPE)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, D, I, first_expert, num_local,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_at,
+    TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    p = tl.program_id(0)
+    nb = tl.program_id(1)
+    e, here = _expert_of(ids_ptr, p, first_expert, num_local)
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    if here:
+        t = p // TOP_K
+        x_row = x_ptr + t.to(tl.int64) * stride_xt
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        s_base = s_ptr + e.to(tl.int64) * stride_se
+        gate_w = w_base + cols[:, None].to(tl.int64) * stride_wn
+        up_w = w_base + (I + cols[:, None]).to(tl.int64) * stride_wn
+        gate_s = s_base + (cols[:, None] // 128) * stride_sn
+        up_s = s_base + ((I + cols[:, None]) // 128) * stride_sn
+        out_dtype = x_ptr.dtype.element_ty
+        gate = tl.zeros([BLOCK_N], tl.float32)
+        up = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < D
+            x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+            mask = col_ok[:, None] & k_ok[None, :]
+            gate += tl.sum(_weight_tile(gate_w, gate_s, k0, ks, col_ok[:, None], mask, FP8, out_dtype) * x[None, :], 1)
+            up += tl.sum(_weight_tile(up_w, up_s, k0, ks, col_ok[:, None], mask, FP8, out_dtype) * x[None, :], 1)
+        # The grouped GEMM hands back gate and up in hidden's dtype: round as it does.
+        gate = gate.to(out_dtype).to(tl.float32)
+        up = up.to(out_dtype).to(tl.float32)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(act_ptr + p.to(tl.int64) * stride_at + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, ids_ptr, w_ptr, s_ptr, y_ptr, D, I, first_expert, num_local,
+    stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
+    FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    p = tl.program_id(0)
+    nb = tl.program_id(1)
+    e, here = _expert_of(ids_ptr, p, first_expert, num_local)
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < D
+    if here:
+        a_row = act_ptr + p.to(tl.int64) * stride_at
+        w_rows = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        s_rows = s_ptr + e.to(tl.int64) * stride_se + (cols[:, None] // 128) * stride_sn
+        out_dtype = act_ptr.dtype.element_ty
+        y = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < I
+            a = tl.load(a_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+            w = _weight_tile(w_rows, s_rows, k0, ks, col_ok[:, None], col_ok[:, None] & k_ok[None, :], FP8, out_dtype)
+            y += tl.sum(w * a[None, :], 1)
+        y = y.to(out_dtype).to(tl.float32)  # the grouped GEMM's output dtype
+        tl.store(y_ptr + p.to(tl.int64) * stride_yt + cols, y, mask=col_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, weights_ptr, ids_ptr, out_ptr, D, first_expert, num_local, stride_yt, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for j in tl.static_range(TOP_K):
+        p = t * TOP_K + j
+        _, here = _expert_of(ids_ptr, p, first_expert, num_local)
+        if here:  # another rank's expert adds nothing here (its y row was never written)
+            w = tl.load(weights_ptr + p)
+            acc += w * tl.load(y_ptr + p.to(tl.int64) * stride_yt + cols, mask=col_ok, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def default_config(pairs: int, fp8: bool) -> dict:
+    """Tiles from shapes only (no autotuning: nothing is timed at a call or during capture), from
+    the H200 sweeps (benchmarks/kernels.py --only moe --sweep, 2026-12-04; CUDA-graph replays).
+    BLOCK_N weight rows x BLOCK_K columns a step, per program.
+    - bf16, up to 8 pairs: 16 x 512 in 4 warps (V2-Lite T=1: 47 us; 32 x 256: 59).
+    - bf16, more pairs: 8 x 512 in 2 warps, more and smaller programs (V2-Lite T=2 / 4 / 8 / 16:
+      66 / 115 / 176 / 301 us against 72 / 127 / 198 / 327 for 16 x 512 in 4 warps).
+    - fp8: 16 x 128 (one scale block wide) in 4 warps (V3 T=1 / 4: 200 / 535 us; 64 x 128 in
+      8 warps: 221 / 537; in 4 warps: 334 / 746)."""
+    if fp8:
+        return {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4}
+    if pairs <= 8:
+        return {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}
+    return {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}
+
+
+def path_for(num_tokens: int, top_k: int, num_experts: int, fp8: bool) -> str:
+    """Which implementation takes a call: ``"pairs"`` (the kernels above), ``"triton_grouped"``
+    (the generic sort with our grouped GEMM; bf16 experts) or ``"generic"`` (the generic op's
+    grouped path: F.grouped_mm, or the grouped fp8 kernel). ``num_experts``: the router's E."""
+    per_expert = num_tokens * top_k / num_experts
+    if per_expert <= PAIRS_PER_EXPERT_MAX["fp8" if fp8 else "bf16"] or num_tokens * top_k <= 1:
+        return "pairs"
+    if not fp8 and per_expert <= TRITON_GROUPED_PER_EXPERT_MAX:
+        return "triton_grouped"
+    return "generic"
+
+
+def grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert=None) -> torch.Tensor:
+    """The generic op's grouped path (rows sorted by expert) with our Triton grouped GEMM for
+    float experts in place of ``F.grouped_mm`` (benchmarks compare the two)."""
+    from .grouped_fp8 import grouped_float_mm
+
+    return _generic._grouped_experts(hidden, weights, ids, gate_up_proj.shape[0],
+                                     lambda x, offs: grouped_float_mm(x, gate_up_proj, offs),
+                                     lambda x, offs: grouped_float_mm(x, down_proj, offs), first_expert=first_expert)
+
+
+def routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, first_expert,
+                   config: dict | None = None) -> torch.Tensor:
+    """hidden [T, D], weights [T, k] float32, ids [T, k] int64 (global expert ids) -> [T, D]:
+    the routed experts' weighted sum, by the three kernels above."""
+    check_runnable("moe", _gate_up_kernel, hidden)
+    num_tokens, dim = hidden.shape
+    top_k = ids.shape[1]
+    num_local, two_inter = gate_up_proj.shape[:2]
+    inter = two_inter // 2
+    fp8 = gate_up_scale is not None
+    cfg = default_config(num_tokens * top_k, fp8)
+    if interpreted(_gate_up_kernel):
+        cfg.update(BLOCK_N=16, BLOCK_K=32)  # tiny CPU shapes: small tiles, few wasted lanes
+    cfg.update(config or {})
+    block_n, block_k, warps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+    if fp8 and SCALE_BLOCK % block_k:
+        raise ValueError(f"mlagraph_triton.moe config: BLOCK_K must divide 128 for fp8 experts, got {block_k}")
+    pairs = num_tokens * top_k
+    out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    if pairs == 0:
+        return out
+    x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    flat_ids = ids.reshape(-1).contiguous()
+    flat_w = weights.reshape(-1).float().contiguous()
+    w1 = gate_up_proj.view(torch.uint8) if fp8 else gate_up_proj
+    w2 = down_proj.view(torch.uint8) if fp8 else down_proj
+    s1 = gate_up_scale if fp8 else w1.new_empty((1, 1, 1), dtype=torch.float32)
+    s2 = down_scale if fp8 else w1.new_empty((1, 1, 1), dtype=torch.float32)
+    first = 0 if first_expert is None else int(first_expert)
+    act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    y = torch.empty(pairs, dim, dtype=torch.float32, device=hidden.device)
+    _gate_up_kernel[(pairs, triton.cdiv(inter, block_n))](
+        x, flat_ids, w1, s1, act, dim, inter, first, num_local,
+        x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), act.stride(0),
+        TOP_K=top_k, FP8=fp8, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )
+    _down_kernel[(pairs, triton.cdiv(dim, block_n))](
+        act, flat_ids, w2, s2, y, dim, inter, first, num_local,
+        act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+        FP8=fp8, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )
+    block_d = 1024 if not interpreted(_combine_kernel) else 32
+    _combine_kernel[(num_tokens, triton.cdiv(dim, block_d))](
+        y, flat_w, flat_ids, out, dim, first, num_local, y.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_D=block_d, num_warps=4,
+    )
+    return out
+
+
+def moe(hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
+        topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor, gate_up_scale=None,
+        down_scale=None, first_expert=None):
+    """The triton backend's ``moe`` (arguments already checked by the generic op's check): the
+    pair kernels for decode-sized batches, the generic grouped path otherwise."""
+    weights, ids = _generic.route(router_logits, e_score_correction_bias, top_k, scoring_func, topk_method, n_group,
+                                  topk_group, norm_topk_prob, routed_scaling_factor)
+    path = path_for(hidden.shape[0], top_k, router_logits.shape[1], gate_up_scale is not None)
+    if path == "pairs":
+        return routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, first_expert)
+    if path == "triton_grouped":
+        return grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert)
+    return _generic.routed_grouped(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale,
+                                   router_logits.shape[1], first_expert)

@@ -1,0 +1,196 @@
+"""mlagraph_triton::moe: the decode-sized pair kernels (mlagraph/ops/triton/moe.py) against the
+all-experts oracle and a float64 loop, fp8 experts, expert shards, the switch to the grouped
+path, opcheck and bad input (CPU through Triton's interpreter; CUDA under -m gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mlagraph  # noqa: F401  (registers the ops)
+import mlagraph.ops.triton  # noqa: F401  (registers mlagraph_triton.*)
+from mlagraph.ops.fp8 import dequantize_blockwise
+from mlagraph.ops.moe import moe_all_experts, route
+from mlagraph.ops.triton import moe as triton_moe
+from tests import helpers
+from tests.helpers import NoHostSync, capture_cuda_graph
+from tests.ops.test_moe import FP8_D, FP8_I, ROUTINGS, loop_moe, random_moe_args
+
+op = torch.ops.mlagraph_triton.moe
+E, D, I = 8, 48, 40  # widths that are not multiples of the tiles
+ROUTING_CASES = [ROUTINGS[0], ROUTINGS[1], ROUTINGS[3]]
+ROUTING_IDS = [r[0] for r in ROUTING_CASES]
+
+
+def _on(args, device):
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def pairs(args, first_expert=None):
+    """The pair kernels on moe's arguments, whatever the batch size (the op may pick another path)."""
+    weights, ids = route(args[1], *args[4:12])
+    scales = args[12:14] if len(args) > 12 else (None, None)
+    return triton_moe.routed_experts(args[0], weights, ids, args[2], args[3], *scales, first_expert)
+
+
+def _rel(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4])  # 4 x 3 = 12 pairs, 1.5 an expert: the largest pair batch
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("routing", ROUTING_CASES, ids=ROUTING_IDS)
+def test_pair_kernels_match_the_all_experts_oracle(device, routing, dtype, tol, num_tokens):
+    args = _on(random_moe_args(num_tokens, E, D, I, routing, dtype), device)
+    assert triton_moe.path_for(num_tokens, args[5], E, fp8=False) == "pairs"
+    out = op(*args)
+    assert out.dtype == dtype and out.shape == (num_tokens, D)
+    assert _rel(out, moe_all_experts(*args)) < tol
+
+
+def test_pair_kernels_match_a_float64_loop(device):
+    args = _on(random_moe_args(4, E, D, I, ROUTINGS[3]), device)
+    weights, ids = route(args[1], *args[4:12])
+    want = loop_moe(*(a.cpu() for a in (args[0], args[2], args[3], weights, ids)))
+    torch.testing.assert_close(pairs(args).cpu().double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize("num_tokens", [1, 4, 5, 21, 22])
+def test_each_batch_size_takes_its_path(device, monkeypatch, num_tokens, fp8):
+    """Pairs per expert (T * top_k / E) pick the path: the pair kernels up to
+    PAIRS_PER_EXPERT_MAX, then (float experts) the sort with our grouped GEMM up to
+    TRITON_GROUPED_PER_EXPERT_MAX, then the generic op's grouped path. Each equals the oracle."""
+    calls = []
+    for name in ("routed_experts", "grouped_triton"):
+        real = getattr(triton_moe, name)
+        monkeypatch.setattr(triton_moe, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    d, i = (FP8_D, FP8_I) if fp8 else (D, I)
+    args = _on(random_moe_args(num_tokens, E, d, i, ROUTINGS[3], fp8=fp8), device)
+    out = op(*args)
+    per_expert = num_tokens * args[5] / E
+    limit = triton_moe.PAIRS_PER_EXPERT_MAX["fp8" if fp8 else "bf16"]
+    if per_expert <= limit or num_tokens * args[5] <= 1:
+        want = ["routed_experts"]
+    elif not fp8 and per_expert <= triton_moe.TRITON_GROUPED_PER_EXPERT_MAX:
+        want = ["grouped_triton"]
+    else:
+        want = []
+    assert calls == want
+    assert triton_moe.path_for(num_tokens, args[5], E, fp8) == {"routed_experts": "pairs",
+                                                                "grouped_triton": "triton_grouped"}.get(
+        (want or ["generic"])[0], "generic")
+    torch.testing.assert_close(out, moe_all_experts(*args), rtol=1e-5, atol=1e-5 * moe_all_experts(*args).abs().max().item())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fp8_experts_equal_their_dequantized_weights(device, dtype, tol):
+    """e4m3 experts with 128x128 block scales (ragged blocks: FP8_D, FP8_I are not multiples of
+    128) compute with the weights their blocks stand for."""
+    args = _on(random_moe_args(5, E, FP8_D, FP8_I, ROUTINGS[3], dtype, fp8=True), device)
+    deq = (*args[:2], dequantize_blockwise(args[2], args[12], dtype), dequantize_blockwise(args[3], args[13], dtype),
+           *args[4:12])
+    out = pairs(args)
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        # Triton's interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest), and
+        # the dequantized weights are rounded that way: a bias of ~2% here, none on the GPU.
+        tol = 4e-2
+    assert _rel(out, pairs(deq)) < tol
+    assert _rel(out, moe_all_experts(*args)) < tol
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_expert_shards_sum_to_the_whole_layer(device, ranks, fp8):
+    """Expert parallel: a pair whose expert is on another rank adds nothing; the shares sum
+    (the pair kernels forced; the op itself, on whichever path, agrees)."""
+    d, i = (FP8_D, FP8_I) if fp8 else (D, I)
+    args = _on(random_moe_args(5, E, d, i, ROUTINGS[3], fp8=fp8), device)
+    local = E // ranks
+    shares = []
+    for r in range(ranks):
+        a = list(args)
+        for j in (2, 3, 12, 13):
+            if a[j] is not None:
+                a[j] = a[j][r * local : (r + 1) * local].contiguous()
+        shares.append(pairs(a, r * local))  # a rank no pair picked gets zeros
+        torch.testing.assert_close(shares[-1], moe_all_experts(*a, r * local), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(op(*a, r * local), shares[-1], rtol=1e-5, atol=1e-5)  # whichever path it takes
+    torch.testing.assert_close(sum(shares), pairs(args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 40])
+def test_grouped_triton_gemm_matches_the_oracle(device, num_tokens):
+    """The generic sort with our Triton grouped GEMM for float experts (a benchmark peer)."""
+    args = _on(random_moe_args(num_tokens, E, D, I, ROUTINGS[3]), device)
+    got = triton_moe.grouped_triton(args[0], *route(args[1], *args[4:12]), args[2], args[3])
+    assert _rel(got, moe_all_experts(*args)) < 1e-5
+
+
+def test_no_host_sync(device):
+    args = _on(random_moe_args(3, E, D, I, ROUTINGS[3]), device)
+    op(*args)  # compile the kernels first
+    with NoHostSync():
+        op(*args)
+
+
+def test_opcheck():
+    helpers.opcheck(op, random_moe_args(3, E, D, I, ROUTINGS[0]))
+
+
+def test_opcheck_fp8():
+    helpers.opcheck(op, random_moe_args(3, E, FP8_D, FP8_I, ROUTINGS[3], fp8=True))
+
+
+@pytest.mark.parametrize("arg,index,value", [
+    ("top_k", 5, 9),  # more experts than the router scores
+    ("router_logits", 1, torch.zeros(4, E)),  # another token count
+    ("down_proj", 3, torch.zeros(E, D, I + 1)),
+])
+def test_bad_input_names_the_argument(arg, index, value):
+    """The twin checks as the generic op does, eagerly and under fake tensors."""
+    args = list(random_moe_args(3, E, D, I, ROUTINGS[0]))
+    args[index] = value
+    helpers.assert_value_error(op, tuple(args), helpers.arg_error(arg))
+
+
+def test_fp8_tile_must_stay_inside_a_scale_block():
+    args = random_moe_args(2, E, FP8_D, FP8_I, ROUTINGS[3], fp8=True)
+    weights, ids = route(args[1], *args[4:12])
+    if not triton_moe.interpreted(triton_moe._gate_up_kernel):
+        pytest.skip("the interpreter is off: the CPU tensors here cannot run")
+    with pytest.raises(ValueError, match="BLOCK_K must divide 128"):
+        triton_moe.routed_experts(args[0], weights, ids, args[2], args[3], args[12], args[13], None,
+                                  config={"BLOCK_K": 96})
+
+
+# --- GPU: DeepSeek sizes, graphs ---------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("num_tokens", [1, 8])
+def test_v3_dims_match_the_oracle(num_tokens, fp8, whole_gpu_memory):
+    """DeepSeek-V3's MoE layer (256 experts of [2*2048, 7168], top-8) at decode sizes."""
+    from benchmarks.common import V3_MOE, moe_layer_args
+
+    args = moe_layer_args(num_tokens, device="cuda", fp8=fp8, **V3_MOE)
+    want = moe_all_experts(*args)
+    for out in (op(*args), pairs(args)):  # the op's path, and the pair kernels forced
+        assert out.dtype == torch.bfloat16 and _rel(out, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_cuda_graph_capture(fp8):
+    """The op, the pair kernels and (float experts) the grouped Triton path, each captured once
+    and replayed on new tokens and routes: equal to an eager call."""
+    args = _on(random_moe_args(2, E, FP8_D, FP8_I, ROUTINGS[3], torch.bfloat16, fp8=fp8), "cuda")
+    for fn in (lambda: op(*args), lambda: pairs(args), lambda: triton_moe.grouped_triton(
+            args[0], *route(args[1], *args[4:12]), args[2], args[3]) if not fp8 else pairs(args)):
+        graph, out = capture_cuda_graph(fn)
+        args[0].copy_(torch.randn_like(args[0]))
+        args[1].copy_(torch.randn_like(args[1]))
+        graph.replay()
+        torch.testing.assert_close(out, fn(), rtol=0, atol=0)
+        assert _rel(out, moe_all_experts(*args)) < 1e-2
