@@ -210,9 +210,30 @@ def _per_group_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> tor
     return out
 
 
-def _grouped_experts(hidden, weights, ids, num_experts, gate_up_mm, down_mm, first_expert=None) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """gate_up [rows, 2I] (a grouped GEMM's output, gate then up) -> silu(gate) * up [rows, I]
+    in float32, rounded to dtype. The triton backend fuses this (``mlagraph.ops.triton.moe_glue``)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(dtype)
+
+
+def unsort_combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, remote, dtype) -> torch.Tensor:
+    """y [T*k, D] in sorted-row order (row i is pair ``order[i]``), weights [T, k] float32 ->
+    [T, D]: each token's float32 sum over its k slots in slot order of weight * y, rounded to
+    dtype. ``remote`` [T*k] bool or None: pairs another rank computes add nothing."""
+    num_tokens, top_k = weights.shape
+    y = torch.empty_like(y, dtype=torch.float32).index_copy_(0, order, y.float()).view(num_tokens, top_k, y.shape[1])
+    if remote is not None:  # rows past the last group end hold whatever the GEMM left there
+        return torch.where(remote.view(num_tokens, top_k, 1), 0.0, y * weights[..., None]).sum(1).to(dtype)
+    return (y * weights[..., None]).sum(1).to(dtype)
+
+
+def _grouped_experts(hidden, weights, ids, num_experts, gate_up_mm, down_mm, first_expert=None,
+                     activate=silu_mul, combine=unsort_combine) -> torch.Tensor:
     """hidden [T, D], weights/ids [T, k] -> [T, D]; ``gate_up_mm(x [rows, D], offs) -> [rows, 2I]``
-    and ``down_mm(x [rows, I], offs) -> [rows, D]``: the grouped GEMMs, offs [E] int32 group ends.
+    and ``down_mm(x [rows, I], offs) -> [rows, D]``: the grouped GEMMs, offs [E] int32 group ends;
+    ``activate`` and ``combine``: :func:`silu_mul` and :func:`unsort_combine` or a backend's
+    fused kernels for them.
 
     Rows are (token, slot) pairs sorted by expert: T*k rows, every one routed, so no padding
     and nothing data-dependent in any shape. An expert with no rows is an empty group; the
@@ -223,27 +244,24 @@ def _grouped_experts(hidden, weights, ids, num_experts, gate_up_mm, down_mm, fir
     grouped GEMMs compute nothing for them, and the combine masks them out: the result is this
     rank's partial sum.
     """
-    num_tokens, top_k = ids.shape
-    dim = hidden.shape[1]
+    top_k = ids.shape[1]
     flat = ids.reshape(-1)  # [T*k]
     remote = None
     if first_expert is not None:
         flat = flat - first_expert
         remote = (flat < 0) | (flat >= num_experts)  # [T*k] rows another rank computes
         flat = flat.masked_fill(remote, num_experts)  # one extra bin, after every local group
-    order = torch.argsort(flat, stable=True)  # sorted row -> (token, slot) index
+    # int16 keys where the ids fit: a radix sort of 2 bytes, not 8 (2 passes in place of 8 on CUDA).
+    keys = flat.to(torch.int16) if num_experts < 2**15 else flat
+    order = torch.argsort(keys, stable=True)  # sorted row -> (token, slot) index
     # Histogram without bincount (whose output length depends on the data).
     counts = torch.zeros(num_experts + (remote is not None), dtype=torch.int32, device=hidden.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts[:num_experts].cumsum(0, dtype=torch.int32)  # group ends, [E]
     x = hidden.index_select(0, order // top_k)  # [T*k, D]
-    gate, up = gate_up_mm(x, offs).float().chunk(2, dim=-1)  # [T*k, I] each
-    y = down_mm((F.silu(gate) * up).to(hidden.dtype), offs).float()  # [T*k, D]
-    # Back to (token, slot) order, then a float32 sum over each token's k experts (no atomics).
-    y = torch.empty_like(y).index_copy_(0, order, y).view(num_tokens, top_k, dim)
-    if remote is not None:  # rows past the last group end hold whatever the GEMM left there
-        return torch.where(remote.view(num_tokens, top_k, 1), 0.0, y * weights[..., None]).sum(1).to(hidden.dtype)
-    return (y * weights[..., None]).sum(1).to(hidden.dtype)
+    y = down_mm(activate(gate_up_mm(x, offs), hidden.dtype), offs)  # [T*k, D], sorted rows
+    # Back to (token, slot) order and a float32 sum over each token's k experts (no atomics).
+    return combine(y, order, weights, remote, hidden.dtype)
 
 
 def _grouped_gemms(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale):
@@ -374,13 +392,15 @@ def moe(
 
 
 def routed_grouped(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, num_routed,
-                   first_expert=None) -> torch.Tensor:
+                   first_expert=None, activate=silu_mul, combine=unsort_combine) -> torch.Tensor:
     """``moe``'s result from its routing (weights, ids [T, k]): rows grouped by expert and the
     grouped GEMMs where they run, else the all-experts path. ``num_routed``: E, the experts the
-    router scores (more than gate_up_proj holds under expert parallelism)."""
+    router scores (more than gate_up_proj holds under expert parallelism); ``activate`` /
+    ``combine``: as in :func:`_grouped_experts`."""
     gemms = _grouped_gemms(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
     if gemms is not None:
-        return _grouped_experts(hidden, weights, ids, gate_up_proj.shape[0], *gemms, first_expert=first_expert)
+        return _grouped_experts(hidden, weights, ids, gate_up_proj.shape[0], *gemms, first_expert=first_expert,
+                                activate=activate, combine=combine)
     # No grouped GEMM for this device and dtype (CUDA float32, say): the all-experts path,
     # which needs no host sync either, so the op stays capturable.
     gate_up, down = _expert_weights(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)

@@ -27,9 +27,11 @@ expert lives on another rank computes nothing and weighs 0.
 Bigger batches sort the rows by expert as the generic op does (tensor-core GEMMs): up to
 :data:`TRITON_GROUPED_PER_EXPERT_MAX` rows an expert with our Triton grouped GEMM
 (:func:`~.grouped_fp8.grouped_float_mm`, 16-row tiles), past it (prefill) with the generic op's.
-:func:`path_for` decides, from shapes only.
-Routing is the generic op's :func:`~mlagraph.ops.moe.route` (the same torch ops as
-transformers, so the same experts). Nothing reads a value on the host: capturable.
+:func:`path_for` decides, from shapes only. Both sorted paths take the fused glue of
+:mod:`.moe_glue` (silu * up between the GEMMs, unsort + weighted sum after them: two launches).
+Routing, on every path, is one launch (:func:`.route.route`: the generic op's choice of experts
+up to ties, in place of its five to twelve torch kernels; V3's grouped router took 43.7 us a layer
+at T=1 that way on the H200, the kernel 5.2). Nothing reads a value on the host: capturable.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from .. import moe as _generic
 from ._fp8 import from_fp8_bits
 from ._hardware import interpreted
 from ._launch import check_runnable
+from .moe_glue import silu_mul, unsort_combine
+from .route import route
 
 # Where each path pays, in (token, expert) pairs per expert of the layer (T * top_k / E), from
 # the H200 (2026-12-04, benchmarks/kernels.py --only moe; times below are CUDA-graph replays):
@@ -64,22 +68,29 @@ def _expert_of(ids_ptr, p, first_expert, num_local):
 
 
 @triton.jit
-def _weight_tile(w_row_ptrs, s_row_ptrs, k0, ks, row_ok, mask, FP8: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] weights in float32, equal to the stored ones in OUT_DTYPE (fp8: the
-    e4m3 value times its block's scale, rounded to OUT_DTYPE as the reference dequantizes; a
-    tile never straddles two scale blocks, so one scale a row: [BLOCK_N, 1])."""
-    w = tl.load(w_row_ptrs + ks[None, :], mask=mask, other=0)
+def _tile_dot(w_rows, s_rows, vec, k0, K, row_ok, FP8: tl.constexpr, KB: tl.constexpr, KC: tl.constexpr,
+              OUT_DTYPE: tl.constexpr):
+    """sum over k in [k0, k0 + KB*KC) of W[row, k] * vec[k] -> [BLOCK_N] float32, with W as
+    stored in OUT_DTYPE: fp8 rows are e4m3 bytes times their 128x128 block's scale, rounded to
+    OUT_DTYPE as the reference dequantizes. ``w_rows`` / ``s_rows``: [BLOCK_N, 1, 1] pointers to
+    each row's weights and scales. The tile is [BLOCK_N, KB, KC]: KB runs of KC columns, KC at
+    most one scale block wide, so a run has one scale a row ([BLOCK_N, KB, 1]) and an fp8 tile
+    can span several blocks (wide loads) without a gather of its scales."""
+    ks = k0 + tl.arange(0, KB)[None, :, None] * KC + tl.arange(0, KC)[None, None, :]  # [1, KB, KC]
+    k_ok = ks < K
+    x = tl.load(vec + ks, mask=k_ok, other=0.0).to(tl.float32)
+    w = tl.load(w_rows + ks, mask=row_ok & k_ok, other=0)
     if FP8:
-        scale = tl.load(s_row_ptrs + k0 // 128, mask=row_ok, other=0.0)
+        scale = tl.load(s_rows + (k0 + tl.arange(0, KB)[None, :, None] * KC) // 128, mask=row_ok, other=0.0)
         w = (from_fp8_bits(w) * scale).to(OUT_DTYPE)
-    return w.to(tl.float32)
+    return tl.sum(tl.sum(w.to(tl.float32) * x, 2), 1)
 
 
 @triton.jit
 def _gate_up_kernel(
     x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, D, I, first_expert, num_local,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_at,
-    TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, KC: tl.constexpr,
 ):
     p = tl.program_id(0)
     nb = tl.program_id(1)
@@ -91,20 +102,18 @@ def _gate_up_kernel(
         x_row = x_ptr + t.to(tl.int64) * stride_xt
         w_base = w_ptr + e.to(tl.int64) * stride_we
         s_base = s_ptr + e.to(tl.int64) * stride_se
-        gate_w = w_base + cols[:, None].to(tl.int64) * stride_wn
-        up_w = w_base + (I + cols[:, None]).to(tl.int64) * stride_wn
-        gate_s = s_base + (cols[:, None] // 128) * stride_sn
-        up_s = s_base + ((I + cols[:, None]) // 128) * stride_sn
+        rows = cols[:, None, None]
+        row_ok = col_ok[:, None, None]
+        gate_w = w_base + rows.to(tl.int64) * stride_wn
+        up_w = w_base + (I + rows).to(tl.int64) * stride_wn
+        gate_s = s_base + (rows // 128) * stride_sn
+        up_s = s_base + ((I + rows) // 128) * stride_sn
         out_dtype = x_ptr.dtype.element_ty
         gate = tl.zeros([BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < D
-            x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
-            mask = col_ok[:, None] & k_ok[None, :]
-            gate += tl.sum(_weight_tile(gate_w, gate_s, k0, ks, col_ok[:, None], mask, FP8, out_dtype) * x[None, :], 1)
-            up += tl.sum(_weight_tile(up_w, up_s, k0, ks, col_ok[:, None], mask, FP8, out_dtype) * x[None, :], 1)
+        for k0 in range(0, D, KB * KC):
+            gate += _tile_dot(gate_w, gate_s, x_row, k0, D, row_ok, FP8, KB, KC, out_dtype)
+            up += _tile_dot(up_w, up_s, x_row, k0, D, row_ok, FP8, KB, KC, out_dtype)
         # The grouped GEMM hands back gate and up in hidden's dtype: round as it does.
         gate = gate.to(out_dtype).to(tl.float32)
         up = up.to(out_dtype).to(tl.float32)
@@ -116,7 +125,7 @@ def _gate_up_kernel(
 def _down_kernel(
     act_ptr, ids_ptr, w_ptr, s_ptr, y_ptr, D, I, first_expert, num_local,
     stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
-    FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, KC: tl.constexpr,
 ):
     p = tl.program_id(0)
     nb = tl.program_id(1)
@@ -125,16 +134,13 @@ def _down_kernel(
     col_ok = cols < D
     if here:
         a_row = act_ptr + p.to(tl.int64) * stride_at
-        w_rows = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
-        s_rows = s_ptr + e.to(tl.int64) * stride_se + (cols[:, None] // 128) * stride_sn
+        rows = cols[:, None, None]
+        w_rows = w_ptr + e.to(tl.int64) * stride_we + rows.to(tl.int64) * stride_wn
+        s_rows = s_ptr + e.to(tl.int64) * stride_se + (rows // 128) * stride_sn
         out_dtype = act_ptr.dtype.element_ty
         y = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < I
-            a = tl.load(a_row + ks, mask=k_ok, other=0.0).to(tl.float32)
-            w = _weight_tile(w_rows, s_rows, k0, ks, col_ok[:, None], col_ok[:, None] & k_ok[None, :], FP8, out_dtype)
-            y += tl.sum(w * a[None, :], 1)
+        for k0 in range(0, I, KB * KC):
+            y += _tile_dot(w_rows, s_rows, a_row, k0, I, col_ok[:, None, None], FP8, KB, KC, out_dtype)
         y = y.to(out_dtype).to(tl.float32)  # the grouped GEMM's output dtype
         tl.store(y_ptr + p.to(tl.int64) * stride_yt + cols, y, mask=col_ok)
 
@@ -165,7 +171,9 @@ def default_config(pairs: int, fp8: bool) -> dict:
     - bf16, more pairs: 8 x 512 in 2 warps, more and smaller programs (V2-Lite T=2 / 4 / 8 / 16:
       66 / 115 / 176 / 301 us against 72 / 127 / 198 / 327 for 16 x 512 in 4 warps).
     - fp8: 16 x 128 (one scale block wide) in 4 warps (V3 T=1 / 4: 200 / 535 us; 64 x 128 in
-      8 warps: 221 / 537; in 4 warps: 334 / 746)."""
+      8 warps: 221 / 537; in 4 warps: 334 / 746). Tiles spanning several scale blocks do not
+      pay (2026-12-04, second sweep: 16 x 512 in 4 warps 190 / 559 us against 188 / 512;
+      8 x 1024 in 4 warps 190 / 561): the fp8 GEMV is bound by its conversions, not its loads."""
     if fp8:
         return {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4}
     if pairs <= 8:
@@ -192,7 +200,8 @@ def grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert=N
 
     return _generic._grouped_experts(hidden, weights, ids, gate_up_proj.shape[0],
                                      lambda x, offs: grouped_float_mm(x, gate_up_proj, offs),
-                                     lambda x, offs: grouped_float_mm(x, down_proj, offs), first_expert=first_expert)
+                                     lambda x, offs: grouped_float_mm(x, down_proj, offs), first_expert=first_expert,
+                                     activate=silu_mul, combine=unsort_combine)
 
 
 def routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, first_expert,
@@ -210,8 +219,11 @@ def routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale,
         cfg.update(BLOCK_N=16, BLOCK_K=32)  # tiny CPU shapes: small tiles, few wasted lanes
     cfg.update(config or {})
     block_n, block_k, warps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
-    if fp8 and SCALE_BLOCK % block_k:
-        raise ValueError(f"mlagraph_triton.moe config: BLOCK_K must divide 128 for fp8 experts, got {block_k}")
+    if block_k < 1 or block_k & (block_k - 1):
+        raise ValueError(f"mlagraph_triton.moe config: BLOCK_K must be a power of 2, got {block_k}")
+    # fp8: runs of at most one scale block (KC columns) side by side; float: one run
+    kc = min(block_k, SCALE_BLOCK) if fp8 else block_k
+    kb = block_k // kc
     pairs = num_tokens * top_k
     out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
     if pairs == 0:
@@ -229,12 +241,12 @@ def routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale,
     _gate_up_kernel[(pairs, triton.cdiv(inter, block_n))](
         x, flat_ids, w1, s1, act, dim, inter, first, num_local,
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), act.stride(0),
-        TOP_K=top_k, FP8=fp8, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        TOP_K=top_k, FP8=fp8, BLOCK_N=block_n, KB=kb, KC=kc, num_warps=warps,
     )
     _down_kernel[(pairs, triton.cdiv(dim, block_n))](
         act, flat_ids, w2, s2, y, dim, inter, first, num_local,
         act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        FP8=fp8, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        FP8=fp8, BLOCK_N=block_n, KB=kb, KC=kc, num_warps=warps,
     )
     block_d = 1024 if not interpreted(_combine_kernel) else 32
     _combine_kernel[(num_tokens, triton.cdiv(dim, block_d))](
@@ -249,12 +261,12 @@ def moe(hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias,
         down_scale=None, first_expert=None):
     """The triton backend's ``moe`` (arguments already checked by the generic op's check): the
     pair kernels for decode-sized batches, the generic grouped path otherwise."""
-    weights, ids = _generic.route(router_logits, e_score_correction_bias, top_k, scoring_func, topk_method, n_group,
-                                  topk_group, norm_topk_prob, routed_scaling_factor)
+    weights, ids = route(router_logits, e_score_correction_bias, top_k, scoring_func, topk_method, n_group,
+                         topk_group, norm_topk_prob, routed_scaling_factor)
     path = path_for(hidden.shape[0], top_k, router_logits.shape[1], gate_up_scale is not None)
     if path == "pairs":
         return routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, first_expert)
     if path == "triton_grouped":
         return grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert)
     return _generic.routed_grouped(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale,
-                                   router_logits.shape[1], first_expert)
+                                   router_logits.shape[1], first_expert, activate=silu_mul, combine=unsort_combine)

@@ -119,6 +119,22 @@ def test_expert_shards_sum_to_the_whole_layer(device, ranks, fp8):
     torch.testing.assert_close(sum(shares), pairs(args), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize("num_tokens", [22, 40])
+def test_grouped_paths_of_an_expert_shard(device, num_tokens, fp8):
+    """Expert parallel on the sorted paths (our grouped GEMM, the generic one) with the fused
+    glue: the rows of another rank's experts, which the GEMMs leave unwritten, add nothing."""
+    d, i = (FP8_D, FP8_I) if fp8 else (D, I)
+    args = _on(random_moe_args(num_tokens, E, d, i, ROUTINGS[3], fp8=fp8), device)
+    assert triton_moe.path_for(num_tokens, args[5], E, fp8) != "pairs"
+    a = list(args)
+    for j in (2, 3, 12, 13):
+        if a[j] is not None:
+            a[j] = a[j][E // 2 :].contiguous()
+    want = moe_all_experts(*a, E // 2)
+    torch.testing.assert_close(op(*a, E // 2), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3, 40])
 def test_grouped_triton_gemm_matches_the_oracle(device, num_tokens):
     """The generic sort with our Triton grouped GEMM for float experts (a benchmark peer)."""
@@ -154,14 +170,28 @@ def test_bad_input_names_the_argument(arg, index, value):
     helpers.assert_value_error(op, tuple(args), helpers.arg_error(arg))
 
 
-def test_fp8_tile_must_stay_inside_a_scale_block():
+def test_tile_width_must_be_a_power_of_two():
     args = random_moe_args(2, E, FP8_D, FP8_I, ROUTINGS[3], fp8=True)
     weights, ids = route(args[1], *args[4:12])
     if not triton_moe.interpreted(triton_moe._gate_up_kernel):
         pytest.skip("the interpreter is off: the CPU tensors here cannot run")
-    with pytest.raises(ValueError, match="BLOCK_K must divide 128"):
+    with pytest.raises(ValueError, match="BLOCK_K must be a power of 2, got 96"):
         triton_moe.routed_experts(args[0], weights, ids, args[2], args[3], args[12], args[13], None,
                                   config={"BLOCK_K": 96})
+
+
+@pytest.mark.parametrize("block_k", [64, 128, 256])
+def test_fp8_tiles_inside_and_across_scale_blocks(device, block_k):
+    """fp8 tiles narrower than a 128-column scale block, one block, and two blocks side by side
+    (one scale per row and block), over ragged blocks (FP8_D = 160, FP8_I = 136): equal to the
+    dequantized weights' float32 result."""
+    args = _on(random_moe_args(3, E, FP8_D, FP8_I, ROUTINGS[3], torch.float32, fp8=True), device)
+    weights, ids = route(args[1], *args[4:12])
+    deq = (*args[:2], dequantize_blockwise(args[2], args[12], torch.float32),
+           dequantize_blockwise(args[3], args[13], torch.float32), *args[4:12])
+    got = triton_moe.routed_experts(args[0], weights, ids, args[2], args[3], args[12], args[13], None,
+                                    config={"BLOCK_K": block_k})
+    assert _rel(got, pairs(deq)) < 1e-5
 
 
 # --- GPU: DeepSeek sizes, graphs ---------------------------------------------------------------

@@ -1,0 +1,97 @@
+"""The grouped MoE path's glue in two launches: :func:`silu_mul` between the grouped GEMMs and
+:func:`unsort_combine` after them (the generic :mod:`mlagraph.ops.moe` functions of those names
+are the oracles: the same roundings, in the same order).
+
+In torch each is a chain over [T*k, 2I] / [T*k, D] float32 tensors: gate_up's copy to float32,
+silu, the product, the copy back; then y's copy to float32, the index_copy back to (token, slot)
+order, the product with the weights and the sum. At a 4K-token V2-Lite prefill those kernels
+took about 20 ms of the 72 ms on the H200 (2026-12-04, benchmarks/profile_prefill.py), as much
+as its grouped GEMMs: each moves the activations through memory in float32 once more. Here
+each reads its input once in the GEMM's dtype and writes its output once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._hardware import interpreted
+from ._launch import check_runnable
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, act_ptr, I, stride_g, stride_a, BLOCK: tl.constexpr):
+    """Row r, columns [c*BLOCK, (c+1)*BLOCK): act = silu(gate) * up in float32, rounded."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    gate = tl.load(gate_up_ptr + r * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + r * stride_g + I + cols, mask=ok, other=0.0).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + r * stride_a + cols, act.to(act_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _unsort_combine_kernel(y_ptr, row_of_ptr, weights_ptr, remote_ptr, out_ptr, D, stride_y, stride_o,
+                           TOP_K: tl.constexpr, HAS_REMOTE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token t, columns [c*BLOCK_D, ...): out[t] = sum over slots j, in order, of
+    weight[t, j] * y[row_of[t*k + j]] in float32, rounded to out's dtype."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = cols < D
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for j in tl.static_range(TOP_K):
+        p = t * TOP_K + j
+        row = tl.load(row_of_ptr + p).to(tl.int64)
+        w = tl.load(weights_ptr + p)
+        here = True
+        if HAS_REMOTE:  # another rank's row holds whatever the GEMM left there: never read it
+            here = tl.load(remote_ptr + p) == 0
+        if here:
+            acc += w * tl.load(y_ptr + row * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _block(n: int, kernel) -> int:
+    """Columns a program: the whole row up to 1024 (V2-Lite's I=1408 takes two); small on CPU."""
+    return 32 if interpreted(kernel) else min(1024, max(16, triton.next_power_of_2(n)))
+
+
+def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """gate_up [rows, 2I] -> silu(gate) * up [rows, I] in dtype (float32 math)."""
+    check_runnable("moe", _silu_mul_kernel, gate_up)
+    rows, two_inter = gate_up.shape
+    inter = two_inter // 2
+    act = torch.empty(rows, inter, dtype=dtype, device=gate_up.device)
+    if rows == 0 or inter == 0:
+        return act
+    if gate_up.stride(1) != 1:
+        gate_up = gate_up.contiguous()
+    block = _block(inter, _silu_mul_kernel)
+    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
+        gate_up, act, inter, gate_up.stride(0), act.stride(0), BLOCK=block, num_warps=4)
+    return act
+
+
+def unsort_combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, remote, dtype) -> torch.Tensor:
+    """y [T*k, D] in sorted-row order (row i is pair ``order[i]``), weights [T, k] -> [T, D] in
+    dtype: the float32 weighted sum of each token's k rows; ``remote`` [T*k] bool or None."""
+    check_runnable("moe", _unsort_combine_kernel, y)
+    num_tokens, top_k = weights.shape
+    dim = y.shape[1]
+    out = torch.empty(num_tokens, dim, dtype=dtype, device=y.device)
+    if num_tokens == 0 or dim == 0:
+        return out
+    # row_of[pair] = its sorted row: order's inverse permutation (a scatter of T*k ints).
+    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    if y.stride(1) != 1:
+        y = y.contiguous()
+    flat_w = weights.reshape(-1).float().contiguous()
+    has_remote = remote is not None
+    remote_arg = remote.reshape(-1).to(torch.uint8) if has_remote else row_of
+    block = _block(dim, _unsort_combine_kernel)
+    _unsort_combine_kernel[(num_tokens, triton.cdiv(dim, block))](
+        y, row_of, flat_w, remote_arg, out, dim, y.stride(0), out.stride(0),
+        TOP_K=top_k, HAS_REMOTE=has_remote, BLOCK_D=block, num_warps=4)
+    return out
