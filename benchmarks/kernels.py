@@ -600,13 +600,15 @@ def bench_cache(rows, args, g):
 
 def bench_moe(rows, args, g):
     """DeepSeek MoE layers: V2-Lite's (64 experts, hidden 2048, intermediate 1408, top-6) at
-    decode sizes and V3's (256 experts, hidden 7168, intermediate 2048, top-8) at decode and
-    prefill (T = 8192); bytes = the experts the batch touches. Rows: ``grouped`` (the generic
-    op: tokens sorted by expert, two grouped GEMMs), ``triton`` (the triton backend's op: the
-    pair kernels up to PAIRS_PER_EXPERT_MAX, the grouped path above), ``triton-pairs`` (the
-    pair kernels forced at every size: where the switch belongs), ``triton-grouped`` (the
-    generic sort with our Triton grouped GEMM for bf16 experts) and, with --sweep, tiles;
-    decode sizes are timed as CUDA-graph replays (the engine's way)."""
+    decode and prefill sizes (T = 1K, 4K) and V3's (256 experts, hidden 7168, intermediate
+    2048, top-8) at decode and prefill (T = 8192); bytes = the experts the batch touches.
+    Rows: ``grouped`` (the generic op: tokens sorted by expert, two grouped GEMMs), ``triton``
+    (the triton backend's op: the pair kernels up to PAIRS_PER_EXPERT_MAX, the grouped path
+    above), ``triton-pairs`` (the pair kernels forced at every size: where the switch belongs),
+    ``triton-grouped`` (the generic sort with our Triton grouped GEMM for bf16 experts),
+    ``triton, 8 layers`` (V2-Lite decode: the op over 8 copies of the experts in turn, as a
+    model reads them: nothing left in L2) and, with --sweep, tiles; decode sizes are timed as
+    CUDA-graph replays (the engine's way)."""
     from common import V2_LITE_MOE, V3_MOE, moe_floor_bytes, moe_layer_args
 
     from mlagraph.ops.moe import moe_all_experts, route
@@ -621,18 +623,21 @@ def bench_moe(rows, args, g):
         finally:
             tm.PAIRS_PER_EXPERT_MAX.update(limits)
 
-    cases = [("V2-Lite", V2_LITE_MOE, False, (1, 2, 4, 8, 16, 32, 64)),
+    cases = [("V2-Lite", V2_LITE_MOE, False, (1, 2, 4, 8, 16, 32, 64, 1024, 4096)),
              ("V3", V3_MOE, False, (1, 4, 8, 16, 32, 128, 8192)),
              ("V3", V3_MOE, True, (1, 4, 8, 16, 32, 128, 8192))]
     sweep_cfgs = [{"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}, {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4},
                   {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 8},
                   {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}, {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2},
-                  {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}]
+                  {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}, {"BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4},
+                  {"BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 8}, {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 8},
+                  {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_K": 2048, "num_warps": 8}]
     for model, dims, fp8, tokens in cases:
         label = "fp8" if fp8 else "bf16"
         if args.moe_cases and f"{model}-{label}" not in args.moe_cases.split(","):
             continue
         base = moe_layer_args(max(tokens), device="cuda", fp8=fp8, **dims)
+        layer_copies = None  # V2-Lite: 8 layers' experts, made at the first decode size
         for t in tokens:
             a = (base[0][:t], base[1][:t], *base[2:])
             nbytes, touched = moe_floor_bytes(a)
@@ -657,20 +662,72 @@ def bench_moe(rows, args, g):
                 if not fp8:  # our grouped Triton GEMM in place of F.grouped_mm, same sort
                     variant("triton-grouped", lambda a=a: tm.grouped_triton(a[0], *route(a[1], *a[4:12]), a[2], a[3]))
                 if args.sweep and t <= 16:
-                    fp8_cfgs = [{"BLOCK_N": 32, "num_warps": 8}, {"BLOCK_N": 64, "num_warps": 4},
-                                {"BLOCK_N": 16, "num_warps": 4}, {"BLOCK_N": 128, "num_warps": 8}]
+                    fp8_cfgs = [{"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4},
+                                {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4},
+                                {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2},
+                                {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4},
+                                {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 8},
+                                {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 8},
+                                {"BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4}]
                     for cfg in sweep_cfgs if not fp8 else fp8_cfgs:
                         cfg_name = "triton-pairs:" + ",".join(f"{k}={v}" for k, v in cfg.items())
                         variant(cfg_name, lambda a=a, cfg=cfg: tm.routed_experts(
                             a[0], *route(a[1], *a[4:12]), a[2], a[3], a[12], a[13], None, config=cfg))
+            if model == "V2-Lite" and decode and t <= 16:
+                # The model reads another layer's experts each call, so L2 holds none of them:
+                # the same op over 8 layers' weights, timed per call (rows "... 8 layers").
+                if layer_copies is None:
+                    layer_copies = [(a[2], a[3])] + [(a[2].clone(), a[3].clone()) for _ in range(7)]
+                layers = [lambda w=w, a=a: OURS.moe(a[0], a[1], w[0], w[1], *a[4:]) for w in layer_copies]
+                run.run("triton, 8 layers", layers[0], check, graph_fns=layers)
+                if args.sweep:
+                    for cfg in sweep_cfgs:
+                        fns = [lambda w=w, a=a, cfg=cfg: tm.routed_experts(
+                            a[0], *route(a[1], *a[4:12]), w[0], w[1], None, None, None, config=cfg)
+                            for w in layer_copies]
+                        run.run("triton-pairs, 8 layers:" + ",".join(f"{k}={v}" for k, v in cfg.items()),
+                                fns[0], check, graph_fns=fns)
             if model == "V3" and (t == 1 or t == max(tokens)) and not (fp8 and t > 1):
                 # the oracle as a peer at the ends only (fp8: it dequantizes all 256 experts
                 # per call, 110 ms, and 28 GiB at T=8K)
                 torch.cuda.empty_cache()
                 run.run("all-experts", lambda a=a: moe_all_experts(*a), check)
             del want
-        del base
+        del base, layer_copies
         torch.cuda.empty_cache()
+
+
+def bench_route(rows, args, g):
+    """MoE routing alone: the generic op's torch ops (softmax / sigmoid, grouped top-k, gather,
+    normalisation) against the triton backend's one launch, for V2-Lite's router (64 experts,
+    greedy top-6) and V3's (256 in 8 groups, noaux_tc top-8), at decode sizes as CUDA-graph
+    replays and at prefill. Checked: the same experts per token, weights within 1e-5."""
+    from mlagraph.ops.moe import route as torch_route
+
+    tr = kernels("route")
+    routers = [("V2-Lite", 64, ("softmax", "greedy", 1, 1), 6, False, 1.0),
+               ("V3", 256, ("sigmoid", "noaux_tc", 8, 4), 8, True, 2.5)]
+    for model, experts, (scoring, method, n_group, topk_group), top_k, norm, scale in routers:
+        bias = torch.randn(experts, device="cuda") * 0.1 if method == "noaux_tc" else None
+        for t in (1, 32, 128, 8192):
+            logits = torch.randn(t, experts, device="cuda")
+            a = (logits, bias, top_k, scoring, method, n_group, topk_group, norm, scale)
+            want_w, want_ids = torch_route(*a)
+            want_ids, order = want_ids.sort(1)
+            want_w = want_w.gather(1, order)
+
+            def check(out, want_w=want_w, want_ids=want_ids):
+                ids, order = out[1].sort(1)
+                if not torch.equal(ids, want_ids):
+                    return float("inf")
+                return rel_err(out[0].gather(1, order), want_w)
+
+            name = f"route {model} T={t}"
+            print(name, flush=True)
+            run = Runner(rows, name, 0.0, t * experts * 4, tol=1e-5)
+            decode = t <= 128
+            for label, fn in (("torch", lambda a=a: torch_route(*a)), ("triton", lambda a=a: tr.route(*a))):
+                run.run(label, fn, check, **({"graph_fns": [fn]} if decode else {}))
 
 
 def reference_body(module: str, op: str):
@@ -749,7 +806,8 @@ def report(rows: list[Row], out: str | None) -> None:
 from flash_peers import bench_flash  # noqa: E402  (the flashmla / flashinfer backends beside the raw kernels)
 
 WORKLOADS = {"fused": bench_fused, "decode": bench_decode, "prefill": bench_prefill, "sparse": bench_sparse,
-             "cache": bench_cache, "indexer": bench_indexer, "moe": bench_moe, "flash": bench_flash}
+             "cache": bench_cache, "indexer": bench_indexer, "moe": bench_moe, "route": bench_route,
+             "flash": bench_flash}
 
 if __name__ == "__main__":
     main()
