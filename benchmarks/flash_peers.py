@@ -99,7 +99,8 @@ def bench_flash(rows, args, g):
     fi, fi_why = _available("flashinfer")
     cases = [(128, 128, 4096, 1), (128, 128, 4096, 2), (128, 128, 1151, 1), (16, 128, 4096, 1), (16, 128, 4096, 2),
              (16, 64, 16384, 1)]
-    for h, b, ctx, s_q in cases:
+    parts = set(args.flash_parts.split(","))
+    for h, b, ctx, s_q in cases if "decode" in parts else []:
         name = f"flash mla_decode H={h} B={b} L={ctx} s_q={s_q} bf16"
         print(name, flush=True)
         cache, _, table, lens = paged_cache("bf16", [ctx] * b, 64, g)
@@ -112,6 +113,12 @@ def bench_flash(rows, args, g):
         run = Runner(rows, name, 2 * h * s_q * 1088 * b * ctx, 1152 * b * ctx, tol=2e-2)
         triton_op = lambda: torch.ops.mlagraph_triton.mla_decode(*args_)  # noqa: E731
         run.run("triton", triton_op, check, graph_fns=[triton_op])
+        if args.sweep and h * s_q <= 32:
+            from kernels import KEYS_SWEEP, sweep
+            from mlagraph.ops.triton import decode as triton_decode
+
+            sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
+                  KEYS_SWEEP.get((s_q, b), KEYS_SWEEP.get(s_q, [])), graphs=True)
         mirrors = {table: table.cpu(), lens: lens.cpu()}
         for lib, backend, why, raw in (("flashmla", fm, fm_why, lambda: _raw_flashmla_decode(q_nope, q_pe, cache, table, lens, "bf16")),
                                        ("flashinfer", fi, fi_why, lambda: _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens))):
@@ -130,7 +137,7 @@ def bench_flash(rows, args, g):
 
     # sparse: FlashMLA only (FlashInfer's sparse MLA is not a backend op here)
     for layout, tokens, ctx, topk, what in (("bf16", 4096, 32768, 2048, "prefill"),
-                                            ("fp8_ds", 256, 32768, 2048, "decode B128 s_q 2")):
+                                            ("fp8_ds", 256, 32768, 2048, "decode B128 s_q 2")) if "sparse" in parts else ():
         name = f"flash sparse_mla {what} T={tokens} ctx={ctx} top-{topk} H=128 {layout}"
         print(name, flush=True)
         if fm is None:
@@ -173,7 +180,7 @@ def bench_flash(rows, args, g):
         _ratio_notes(rows, name)
 
     # dense causal prefill: FlashInfer's ragged fa3
-    for n in (2048, 8192):
+    for n in (2048, 8192) if "prefill" in parts else ():
         name = f"flash mha_prefill N={n} H=128 qk 192 v 128 causal"
         print(name, flush=True)
         if fi is None:

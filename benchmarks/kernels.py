@@ -299,22 +299,30 @@ AITER_DECODE_SWEEP = {
     16: [{"num_kv_splits": 1}, {"num_kv_splits": 8}, {"block_n": 64}, {"block_n": 16}, {"num_stages": 2}],
 }
 
-DECODE_SWEEP = {  # (heads, layout, s_q) -> config overrides
-    (128, "bf16", 1): [{"BLOCK_N": 32}, {"BLOCK_N": 64, "num_stages": 1}, {"BLOCK_N": 128, "num_stages": 1},
-                       {"MAX_SPLITS": 2}, {"BLOCK_N": 64, "num_warps": 4}],
-    (16, "bf16", 1): [{"MAX_SPLITS": 4}, {"MAX_SPLITS": 8}, {"BLOCK_N": 16}, {"BLOCK_N": 64},
-                      {"BLOCK_N": 32, "num_stages": 3}, {"BLOCK_N": 32, "num_stages": 4}, {"num_warps": 8}],
-    (16, "fp8", 1): [{"FP16_DOT": False}, {"MAX_SPLITS": 8}, {"BLOCK_N": 64}, {"BLOCK_N": 64, "num_warps": 8},
-                     {"num_stages": 3}, {"BLOCK_N": 16}],
-    (16, "fp8_ds", 1): [{"FP16_DOT": False}, {"MAX_SPLITS": 8}, {"BLOCK_N": 64}, {"BLOCK_N": 64, "num_warps": 8},
-                        {"num_stages": 3}, {"BLOCK_N": 16}],
-    # 32 rows: q and the [32, 512] accumulator in 4 warps' registers spill; 8 warps halve both
-    (16, "bf16", 2): [{"num_warps": 8}, {"num_warps": 8, "BLOCK_N": 64}, {"num_warps": 8, "num_stages": 3},
-                      {"num_warps": 8, "MAX_SPLITS": 8}, {"BLOCK_N": 16}],
-    (128, "bf16", 2): [{"BLOCK_N": 32}, {"MAX_SPLITS": 2}],
+# The keys-major form (decode_keys.py) at H=16: s_q or (s_q, batch) -> config overrides; the flash
+# workload times them beside FlashMLA and FlashInfer (graphed).
+_KT = {"FORM": "keys", "TMA": True}
+KEYS_SWEEP = {
+    1: [{**_KT, "BLOCK_N": 64, "num_warps": w, "num_stages": 2, "MAX_SPLITS": s} for w in (4, 8) for s in (1, 2, 4)]
+       + [{**_KT, "BLOCK_N": 32, "num_warps": 4, "num_stages": st, "MAX_SPLITS": s} for st in (3, 4) for s in (2, 4)]
+       + [{"FORM": "keys", "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "MAX_SPLITS": s} for s in (1, 2)],
+    2: [{**_KT, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "MAX_SPLITS": s} for s in (1, 2, 4)]
+       + [{**_KT, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MAX_SPLITS": 2},
+          {**_KT, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "MAX_SPLITS": 4}],
+}
+
+DECODE_SWEEP = {  # (heads, layout, s_q[, batch]) -> config overrides (the rows-major form's
+    # sweeps of 2026-11-29 and 12-04 are in the README and benchmarks/results/h200-2026-12-04/)
+    (16, "fp8", 1): [{**_KT, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "MAX_SPLITS": s} for s in (2, 4)]
+                    + [{**_KT, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "MAX_SPLITS": 4},
+                       {**_KT, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MAX_SPLITS": 2}],
+    (16, "fp8_ds", 1): [{**_KT, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "MAX_SPLITS": s} for s in (2, 4)]
+                       + [{**_KT, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "MAX_SPLITS": 4},
+                          {**_KT, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MAX_SPLITS": 2}],
     # batch 1 (V2-Lite-sized decode): how many splits pay for their combine
-    (16, "bf16", 1, 1): [{"MAX_SPLITS": 1}, {"MAX_SPLITS": 2}, {"MAX_SPLITS": 4}, {"MAX_SPLITS": 8},
-                         {"BLOCK_N": 64, "MAX_SPLITS": 4}],
+    (16, "bf16", 1, 1): [{"MAX_SPLITS": 8}] + [{**_KT, "BLOCK_N": 64, "num_warps": w, "num_stages": 2, "MAX_SPLITS": s}
+                                              for w in (4, 8) for s in (8, 16)],
+    (16, "bf16", 1): [{**_KT, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "MAX_SPLITS": s} for s in (1, 2, 4)],
 }
 
 
@@ -745,6 +753,8 @@ def main() -> None:
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile peers")
     p.add_argument("--sweep", action="store_true",
                    help="also time config variants of our kernels (triton's, and the aiter backend's decode)")
+    p.add_argument("--flash-parts", default="decode,sparse,prefill",
+                   help="flash only: comma list of its parts (decode, sparse, prefill)")
     p.add_argument("--moe-cases", default="", help="moe only: comma list of V2-Lite-bf16, V3-bf16, V3-fp8 (default all)")
     args = p.parse_args()
     if not torch.cuda.is_available():

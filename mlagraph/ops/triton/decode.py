@@ -32,6 +32,10 @@ rounded to it; float32 queries use exact IEEE float32 dots), the softmax and acc
 float32. In the CPU interpreter every dot runs in float32 (its bf16 dot and bf16 rounding are
 unreliable), so CPU results are the exact-arithmetic version of the GPU's.
 
+The keys-major form (:mod:`.decode_keys`, config ``FORM="keys"``, optionally ``TMA=True``) puts
+the keys on the MMA's M side for the memory-bound row counts; it is opt-in until the H200 suite
+has run with it as a default (measured: H=16 B=128 L=4096 bf16 190 us against this form's 229).
+
 Nothing here reads tensor values on the host, so a call can be captured in a CUDA graph.
 :func:`default_config` picks block sizes and MAX_SPLITS from shapes; :func:`mla_decode_with_config`
 takes an override for benchmark sweeps. L and R must be powers of two (DeepSeek: 512, 64).
@@ -45,76 +49,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._fp8 import from_fp8_bits
+from ._decode_tiles import _dot, _kv_len, _load_latent, _load_rope, _split_len
+from .decode_keys import _split_keys_kernel
 from ._hardware import H200_SMS, hardware, interpreted
 from ._launch import check_runnable
 
 _LAYOUT_IDS = {"bf16": 0, "fp8": 1, "fp8_ds": 2}
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _split_len(kv_len, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
-    """Keys per split: the request's BLOCK_N blocks cut into MAX_SPLITS runs of equal length (the
-    last runs may be short or empty). Computed on the device, from the request's own length."""
-    return tl.cdiv(tl.cdiv(kv_len, BLOCK_N), MAX_SPLITS) * BLOCK_N
-
-
-@triton.jit
-def _kv_len(seq_len, MAX_LEN):
-    """Keys of a request that exist in its block table (0 for a padding request)."""
-    return tl.minimum(tl.maximum(seq_len, 0), MAX_LEN)
-
-
-@triton.jit
-def _dot(a, b, acc, F32: tl.constexpr):
-    """acc + a @ b, float32 accumulation; F32: exact float32 operands (no TF32)."""
-    if F32:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _load_latent(rows, valid, L: tl.constexpr, BL: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, POLICY: tl.constexpr):
-    """rows [BLOCK_N] pointers to cache rows -> kv_c [BLOCK_N, BL] in DOT_DTYPE (BL >= L: columns
-    past L, which only tiny test models have, read as 0).
-
-    Masked keys read as 0 (the cache may hold NaN there, and 0 weight * NaN is NaN). fp8 values
-    are returned unscaled: the caller folds the per-tensor scale into scores and output."""
-    offs_l = tl.arange(0, BL)
-    ptrs = rows[:, None] + offs_l[None, :]
-    m = valid[:, None] & (offs_l[None, :] < L)
-    if LAYOUT == 0:  # bf16: kv_c | k_pe in the cache's float dtype
-        kv = tl.load(ptrs, mask=m, other=0.0, eviction_policy=POLICY)
-    elif LAYOUT == 1:  # fp8: L + R e4m3 bytes
-        kv = from_fp8_bits(tl.load(ptrs, mask=m, other=0, eviction_policy=POLICY))
-    else:  # fp8_ds: L e4m3 bytes | L/128 float32 scales | R bf16 (row addresses in bytes)
-        G: tl.constexpr = L // 128  # layouts.DS_GROUP
-        bits = tl.load(ptrs, mask=m, other=0, eviction_policy=POLICY)
-        # Cast the row pointers, then add column offsets: keeps the loads vectorized.
-        scale_rows = (rows + L).to(tl.pointer_type(tl.float32))
-        scales = tl.load(scale_rows[:, None] + tl.arange(0, G)[None, :], mask=valid[:, None], other=0.0,
-                         eviction_policy=POLICY)  # [BLOCK_N, G]
-        kv = tl.reshape(tl.reshape(from_fp8_bits(bits), [BLOCK_N, G, 128]) * scales[:, :, None], [BLOCK_N, L])
-    return kv.to(DOT_DTYPE)
-
-
-@triton.jit
-def _load_rope(rows, valid, L: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, LAYOUT: tl.constexpr,
-               DOT_DTYPE: tl.constexpr):
-    """rows [BLOCK_N] pointers to cache rows -> k_pe [BLOCK_N, BR] in DOT_DTYPE (0 where masked)."""
-    offs_r = tl.arange(0, BR)
-    m = valid[:, None] & (offs_r[None, :] < R)
-    if LAYOUT == 0:
-        pe = tl.load(rows[:, None] + L + offs_r[None, :], mask=m, other=0.0)
-    elif LAYOUT == 1:
-        pe = from_fp8_bits(tl.load(rows[:, None] + L + offs_r[None, :], mask=m, other=0))
-    else:
-        pe_rows = (rows + L + 4 * (L // 128)).to(tl.pointer_type(tl.bfloat16))
-        pe = tl.load(pe_rows[:, None] + offs_r[None, :], mask=m, other=0.0)
-    return pe.to(DOT_DTYPE)
 
 
 @triton.jit
@@ -312,7 +253,7 @@ def default_config(batch: int, rows: int, max_len: int, kv_lora_rank: int, layou
     # 3 more mantissa bits of q (H200, H=16 fp8: relative error 3.4e-4 vs 1.0e-3 in bf16).
     fp16_dot = layout != "bf16" and q_dtype == torch.bfloat16
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,
-            "MAX_SPLITS": max_splits, "FP16_DOT": fp16_dot}
+            "MAX_SPLITS": max_splits, "FP16_DOT": fp16_dot, "FORM": "rows", "TMA": False}
 
 
 def _dot_width(dim: int) -> int:
@@ -321,7 +262,7 @@ def _dot_width(dim: int) -> int:
 
 
 def _check_config(config: dict, override: dict) -> None:
-    unknown = set(override) - {"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "MAX_SPLITS", "FP16_DOT"}
+    unknown = set(override) - {"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "MAX_SPLITS", "FP16_DOT", "FORM", "TMA"}
     if unknown:
         raise ValueError(f"mla_decode config: unknown keys {sorted(unknown)}")
     for key in ("BLOCK_H", "BLOCK_N"):
@@ -330,6 +271,43 @@ def _check_config(config: dict, override: dict) -> None:
             raise ValueError(f"mla_decode config: {key} must be a power of two >= 16, got {v}")
     if config["MAX_SPLITS"] < 1:
         raise ValueError(f"mla_decode config: MAX_SPLITS must be >= 1, got {config['MAX_SPLITS']}")
+    if config["FORM"] not in ("rows", "keys"):
+        raise ValueError(f"mla_decode config: FORM must be 'rows' or 'keys', got {config['FORM']!r}")
+    if config["TMA"] and config["FORM"] != "keys":
+        raise ValueError("mla_decode config: TMA needs FORM 'keys'")
+
+
+def tma_blocks(kv_cache: torch.Tensor, latent: int, rope: int, block_n: int) -> str | None:
+    """Why the copy engine cannot read this cache's key blocks whole (None: it can): the
+    keys-major kernel's TMA loads take BLOCK_N rows of one page as one box."""
+    pages, page_size, width = kv_cache.shape
+    if kv_cache.device.type == "cuda" and torch.cuda.get_device_capability(kv_cache.device) < (9, 0):
+        return "the device has no tensor memory accelerator (sm_90+)"
+    if latent != _dot_width(latent) or rope != _dot_width(rope):
+        return f"kv_lora_rank {latent} / rope dim {rope} are not powers of two >= 16"
+    if page_size % block_n:
+        return f"page_size {page_size} is not a multiple of BLOCK_N {block_n}"
+    if kv_cache.stride() != (page_size * width, width, 1):
+        return f"the cache's pages are not back to back (strides {kv_cache.stride()})"
+    if kv_cache.data_ptr() % 16 or (width * kv_cache.element_size()) % 16:
+        return "cache rows are not 16-byte aligned"
+    return None
+
+
+def _cache_descriptors(kv_cache: torch.Tensor, layout: str, latent: int, rope: int, block_n: int):
+    """(latent, scales, rope) tensor descriptors over the cache's rows [pages * page_size, W]:
+    boxes of block_n rows (see decode_keys). Out-of-bounds rows (a -1 page) read as zeros."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = kv_cache.reshape(-1, kv_cache.shape[-1])
+    if layout != "fp8_ds":
+        lat = TensorDescriptor.from_tensor(rows, [block_n, latent])
+        return lat, lat, TensorDescriptor.from_tensor(rows, [block_n, rope])
+    scales = rows.view(torch.float32)  # 656-byte rows: 164 floats, the G scales at float L/4
+    pe = rows.view(torch.bfloat16)
+    return (TensorDescriptor.from_tensor(rows, [block_n, latent]),
+            TensorDescriptor.from_tensor(scales, [block_n, latent // 128]),
+            TensorDescriptor.from_tensor(pe, [block_n, rope]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,7 +322,9 @@ def mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, sof
 def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, softmax_scale,
                            config: dict | None = None):
     """:func:`mla_decode` with optional overrides of :func:`default_config`'s keys (BLOCK_H,
-    BLOCK_N, num_warps, num_stages, MAX_SPLITS); the keys not given keep their default."""
+    BLOCK_N, num_warps, num_stages, MAX_SPLITS, FP16_DOT, FORM "rows" | "keys", TMA); the keys not
+    given keep their default. TMA where the cache's blocks cannot be copied whole is refused
+    (:func:`tma_blocks` says why)."""
     check_runnable("mla_decode", _split_kernel, q_nope)
     # CPU tensors run in Triton's interpreter, whose tl.dot garbles bfloat16 operands and whose
     # float32 -> bfloat16 conversion truncates: there the dots run in float32 (F32) instead.
@@ -381,19 +361,33 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
         part_lse = torch.empty((batch, max_splits, rows), dtype=torch.float32, device=q_nope.device)
 
     grid = (triton.cdiv(rows, block_h), max_splits, batch)
-    _split_kernel[grid](
-        q_nope, q_pe, kv_cache, block_table, seq_lens, scale if layout == "fp8" else None, part_out, part_lse,
+    common = (
         softmax_scale * _LOG2E,
         q_nope.stride(0), q_nope.stride(1), q_nope.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), block_table.stride(1), seq_lens.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         max_len,
+    )
+    meta = dict(
         S_Q=s_q, H=heads, L=latent, R=rope, PAGE=page_size, BL=_dot_width(latent), BR=_dot_width(rope),
         LAYOUT=_LAYOUT_IDS[layout], BLOCK_H=block_h,
         BLOCK_N=block_n, MAX_SPLITS=max_splits, DIRECT=direct,
         F32=q_nope.dtype == torch.float32 or q_nope.device.type == "cpu", FP16=bool(cfg["FP16_DOT"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    fp8_scale = scale if layout == "fp8" else None
+    if cfg["FORM"] == "rows":
+        _split_kernel[grid](q_nope, q_pe, kv_cache, block_table, seq_lens, fp8_scale, part_out, part_lse,
+                            *common, **meta)
+    else:
+        descs = (None, None, None)
+        if cfg["TMA"]:
+            why = tma_blocks(kv_cache, latent, rope, block_n)
+            if why is not None:
+                raise ValueError(f"mla_decode config: TMA asked for, but {why}")
+            descs = _cache_descriptors(kv_cache, layout, latent, rope, block_n)
+        _split_keys_kernel[grid](q_nope, q_pe, kv_cache, *descs, block_table, seq_lens, fp8_scale, part_out,
+                                 part_lse, *common, TMA=bool(cfg["TMA"]), **meta)
     if not direct:
         _combine_kernel[(rows, batch)](
             part_out, part_lse, out, lse, seq_lens, seq_lens.stride(0), max_len,

@@ -139,6 +139,78 @@ def test_bf16_queries(device, kind, config):
     check(args, device, config=config, **BF16_TOL)
 
 
+KEYS = {"FORM": "keys", "BLOCK_N": 16, "MAX_SPLITS": 3}  # keys-major, every block gathered
+KEYS_TMA = {**KEYS, "TMA": True}  # whole blocks through tensor descriptors, the tail gathered
+
+
+def keys_dims(kind, config):
+    """fp8_ds rows are 16-byte aligned (as the copy engine needs) at DeepSeek's 512 + 64 only."""
+    return (512, 64) if kind == "fp8_ds" and config.get("TMA") else (L, R)
+
+
+@pytest.mark.parametrize("config", [KEYS, KEYS_TMA], ids=["keys", "keys_tma"])
+@pytest.mark.parametrize("s_q", [1, 3])
+@pytest.mark.parametrize("kind", list(CACHE_KINDS))
+def test_keys_major_matches_reference(device, kind, s_q, config):
+    latent, rope = keys_dims(kind, config)
+    args = decode_args(kind, SEQ_LENS, s_q, 16, latent=latent, rope=rope)
+    out, lse = check(args, device, config=config)
+    assert_padding(out, lse, SEQ_LENS, s_q)
+
+
+@pytest.mark.parametrize("config", [KEYS, {**KEYS_TMA, "MAX_SPLITS": 1}], ids=["keys", "keys_tma_direct"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8_ds"])
+def test_keys_major_bf16_queries(device, kind, config):
+    latent, rope = keys_dims(kind, config)
+    check(decode_args(kind, SEQ_LENS, 2, 16, latent=latent, rope=rope, q_dtype=torch.bfloat16), device,
+          config=config, **BF16_TOL)
+
+
+@pytest.mark.parametrize("config", [KEYS, KEYS_TMA], ids=["keys", "keys_tma"])
+def test_keys_major_missing_pages(device, config):
+    """A -1 page in a whole block (the copy engine reads it out of bounds: zeros, then masked) and
+    in a partial one (gathered), and a length past the table's capacity."""
+    args = decode_args("bf16-f32", [5, 0, 48, 1, 36], 2, 16)
+    table = args[3]
+    table[2, 0] = -1  # request 2 loses keys 0..15 (a whole block)
+    table[4, 2] = -1  # request 4 loses keys 32..35 (its partial last block)
+    check(args, device, config=config)
+    args[4] = torch.tensor([5, 0, table.shape[1] * 16 + 7, 1, 36], dtype=torch.int32)  # -1 pages past key 47
+    check(args, device, config=config)
+
+
+def test_keys_major_tma_refusals():
+    """TMA asked for where the copy engine cannot take a block whole: a clear error, nothing run."""
+    args = decode_args("bf16-f32", [3, 0, 9], 1, 4)  # page 4 < BLOCK_N 16
+    with pytest.raises(ValueError, match="page_size 4 is not a multiple of BLOCK_N 16"):
+        kernels().mla_decode_with_config(*args, config=KEYS_TMA)
+    args = decode_args("fp8_ds", [3, 0, 9], 1, 16)  # 128 + 4 + 64 bytes a row
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        kernels().mla_decode_with_config(*args, config=KEYS_TMA)
+    args = decode_args("bf16-f32", [3, 0, 9], 1, 16, latent=96, rope=8)
+    with pytest.raises(ValueError, match="not powers of two"):
+        kernels().mla_decode_with_config(*args, config=KEYS_TMA)
+    with pytest.raises(ValueError, match="TMA needs FORM 'keys'"):
+        kernels().mla_decode_with_config(*args, config={"TMA": True})
+    with pytest.raises(ValueError, match="FORM must be 'rows' or 'keys'"):
+        kernels().mla_decode_with_config(*args, config={"FORM": "cols"})
+
+
+def test_keys_major_non_contiguous_cache(device):
+    """A cache whose pages are not back to back: the gathered keys-major form reads it in place."""
+    args = decode_args("bf16-f32", SEQ_LENS, 2, 16)
+    want = run(args, device, KEYS)
+    dev_args = on(device, args)
+    cache = dev_args[2]
+    both = torch.full((cache.shape[0], 2, *cache.shape[1:]), float("nan"), dtype=cache.dtype, device=device)
+    both[:, 1] = cache
+    dev_args[2] = both[:, 1]
+    got = kernels().mla_decode_with_config(*dev_args, config=KEYS)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    with pytest.raises(ValueError, match="pages are not back to back"):
+        kernels().mla_decode_with_config(*dev_args, config=KEYS_TMA)
+
+
 def test_missing_pages_and_lengths_past_the_table(device):
     """A -1 page inside a request's length is never read (its keys are skipped, as in the
     reference); a length past the table's capacity reads only the keys the table holds."""
@@ -182,6 +254,23 @@ cuda_only = pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_ds"])
 def test_deepseek_shapes(device, kind, heads, s_q, config):
     args = decode_args(kind, DS_LENS, s_q, DS_PAGE, heads=heads, latent=DS_L, rope=DS_R, q_dtype=torch.bfloat16)
+    out, lse = check(args, device, config=config, **BF16_TOL)
+    assert_padding(out, lse, DS_LENS, s_q)
+
+
+GPU_KEYS = {"FORM": "keys", "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
+@cuda_only
+@pytest.mark.parametrize("config", [GPU_KEYS, {**GPU_KEYS, "TMA": True}, {**GPU_KEYS, "TMA": True, "MAX_SPLITS": 1},
+                                    {**GPU_KEYS, "TMA": True, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4}],
+                         ids=["keys", "keys_tma", "keys_tma_direct", "keys_tma_32"])
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_ds"])
+def test_deepseek_shapes_keys_major(device, kind, s_q, config):
+    args = decode_args(kind, DS_LENS, s_q, DS_PAGE, heads=16, latent=DS_L, rope=DS_R, q_dtype=torch.bfloat16)
+    table = args[3]
+    table[0, 3] = -1  # a -1 page inside request 0's whole blocks
     out, lse = check(args, device, config=config, **BF16_TOL)
     assert_padding(out, lse, DS_LENS, s_q)
 

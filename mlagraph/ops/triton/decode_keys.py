@@ -1,0 +1,151 @@
+"""Triton ``mla_decode``, keys-major form: for the memory-bound row counts (H * s_q <= 32).
+
+Same math, splits, masks and outputs as :mod:`.decode`'s rows-major ``_split_kernel`` (read its
+docstring first); what differs is the orientation of the two products. With few query rows
+(H=16 at s_q 1 or 2, a TP shard's heads) the rows-major form has M = 16-32 rows per MMA, under
+Hopper's 64-row wgmma, so it runs on the older mma.sync path. Here the keys are the M side:
+
+    sT   [BLOCK_N, BLOCK_H] = kv [BLOCK_N, L] @ qnT [L, BLOCK_H]  +  pe @ qpT   (keys x rows)
+    accT [L, BLOCK_H]      += kv^T [L, BLOCK_N] @ pT [BLOCK_N, BLOCK_H]
+
+64 keys fill a wgmma's M; the rows (16, 24, 32, ...) are its N, which only needs multiples of 8,
+so no row is padded to 64 the way FlashMLA's and FlashInfer's kernels pad a shard's heads. Both
+products read the key tile from shared memory, the softmax runs down the key axis (axis 0).
+
+Loads. ``TMA``: a split's whole blocks of BLOCK_N keys each lie in one page (the launcher asks
+page_size % BLOCK_N == 0 and pages laid out back to back), so each is one box of BLOCK_N
+contiguous cache rows, copied by the Hopper copy engine (no address registers, no per-row
+masks); a -1 page is put at a negative row, which the engine reads as zeros, and its keys are
+masked out of the scores. A split's last, partial block is gathered with masks after the loop
+(rows past the length read as 0, never as the cache's stale bytes). Without ``TMA`` every block
+is gathered with masks, as in the rows-major form.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._decode_tiles import _dot, _kv_len, _load_latent, _load_rope, _split_len
+from ._fp8 import from_fp8_bits
+
+
+@triton.jit
+def _copy_tile(lat_desc, sc_desc, pe_desc, row0, L: tl.constexpr, R: tl.constexpr, LAYOUT: tl.constexpr,
+               BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """BLOCK_N cache rows from row ``row0`` through the copy engine -> (kv [BLOCK_N, L], pe [BLOCK_N, R]),
+    in DOT_DTYPE; fp8 values unscaled (see _load_latent)."""
+    if LAYOUT == 0:  # one descriptor over [rows, L + R] values
+        kv = lat_desc.load([row0, 0])
+        pe = pe_desc.load([row0, L])
+    elif LAYOUT == 1:  # [rows, L + R] e4m3 bytes
+        kv = from_fp8_bits(lat_desc.load([row0, 0]))
+        pe = from_fp8_bits(pe_desc.load([row0, L]))
+    else:  # fp8_ds rows viewed three ways: bytes (latent), float32 (scales), bf16 (rope)
+        G: tl.constexpr = L // 128
+        bits = lat_desc.load([row0, 0])
+        scales = sc_desc.load([row0, L // 4])  # [BLOCK_N, G] float32 at byte L
+        kv = tl.reshape(tl.reshape(from_fp8_bits(bits), [BLOCK_N, G, 128]) * scales[:, :, None], [BLOCK_N, L])
+        pe = pe_desc.load([row0, L // 2 + 2 * G])  # bf16 at byte L + 4G
+    return kv.to(DOT_DTYPE), pe.to(DOT_DTYPE)
+
+
+@triton.jit
+def _attend(kv, pe, qnT, qpT, visible, scale, m_i, l_i, accT, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+            DOT_DTYPE: tl.constexpr, F32: tl.constexpr):
+    """One block of keys into the online softmax (base 2), keys-major: visible [BLOCK_N, BLOCK_H]."""
+    sT = _dot(pe, qpT, tl.zeros([BLOCK_N, BLOCK_H], tl.float32), F32)
+    sT = _dot(kv, qnT, sT, F32) * scale
+    sT = tl.where(visible, sT, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sT, 0))
+    # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(sT - m_safe[None, :])
+    l_i = l_i * alpha + tl.sum(p, 0)
+    accT = _dot(tl.trans(kv), p.to(DOT_DTYPE), accT * alpha[None, :], F32)
+    return m_new, l_i, accT
+
+
+@triton.jit
+def _split_keys_kernel(
+    q_nope, q_pe, cache, lat_desc, sc_desc, pe_desc, block_table, seq_lens, fp8_scale, out, lse,
+    qk_scale,  # softmax_scale * log2(e)
+    stride_qn_b, stride_qn_s, stride_qn_h, stride_qp_b, stride_qp_s, stride_qp_h,
+    stride_c_page, stride_c_tok, stride_bt_b, stride_bt_p, stride_sl,
+    stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split,
+    MAX_LEN,
+    S_Q: tl.constexpr, H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
+    BL: tl.constexpr, BR: tl.constexpr,
+    LAYOUT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    DIRECT: tl.constexpr, F32: tl.constexpr, FP16: tl.constexpr,
+    TMA: tl.constexpr,  # whole blocks through the descriptors (L == BL, R == BR; see the module docstring)
+):
+    row_block = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    DOT_DTYPE: tl.constexpr = tl.float32 if F32 else (tl.float16 if FP16 else q_nope.dtype.element_ty)
+
+    seq_len = tl.load(seq_lens + b * stride_sl)
+    kv_len = _kv_len(seq_len, MAX_LEN)
+    per_split = _split_len(kv_len, BLOCK_N, MAX_SPLITS)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, kv_len)  # lo >= hi: an empty split
+
+    offs_m = row_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = offs_m < S_Q * H
+    qi = offs_m // H
+    qh = offs_m % H
+    limit = seq_len - S_Q + qi  # [BLOCK_H], last visible position
+    offs_l = tl.arange(0, BL)
+    offs_r = tl.arange(0, BR)
+    # The queries transposed, [BL, BLOCK_H] and [BR, BLOCK_H]: the products' shared-memory B side.
+    qnT = tl.load(q_nope + b * stride_qn_b + (qi * stride_qn_s + qh * stride_qn_h)[None, :] + offs_l[:, None],
+                  mask=row_ok[None, :] & (offs_l[:, None] < L), other=0.0).to(DOT_DTYPE)
+    qpT = tl.load(q_pe + b * stride_qp_b + (qi * stride_qp_s + qh * stride_qp_h)[None, :] + offs_r[:, None],
+                  mask=row_ok[None, :] & (offs_r[:, None] < R), other=0.0).to(DOT_DTYPE)
+
+    scale = qk_scale
+    out_scale = 1.0
+    if LAYOUT == 1:  # fp8: every cached value is e4m3 * scale; apply it to scores and output
+        kv_scale = tl.load(fp8_scale)
+        scale = qk_scale * kv_scale
+        out_scale = kv_scale
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    accT = tl.zeros([BL, BLOCK_H], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = block_table + b * stride_bt_b
+    gather_lo = lo
+    if TMA:
+        gather_lo = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)  # the partial block's start
+        for start in range(lo, gather_lo, BLOCK_N):
+            page = tl.load(bt_row + (start // PAGE) * stride_bt_p)
+            kv, pe = _copy_tile(lat_desc, sc_desc, pe_desc, page * PAGE + start % PAGE, L, R, LAYOUT, BLOCK_N,
+                                DOT_DTYPE)
+            visible = (page >= 0) & ((start + offs_n)[:, None] <= limit[None, :])
+            m_i, l_i, accT = _attend(kv, pe, qnT, qpT, visible, scale, m_i, l_i, accT, BLOCK_N, BLOCK_H,
+                                     DOT_DTYPE, F32)
+    for start in range(gather_lo, hi, BLOCK_N):  # with TMA: at most one (partial) block
+        pos = start + offs_n
+        in_run = pos < hi
+        page = tl.load(bt_row + (pos // PAGE) * stride_bt_p, mask=in_run, other=-1)
+        valid = in_run & (page >= 0)
+        rows = cache + page.to(tl.int64) * stride_c_page + (pos % PAGE) * stride_c_tok
+        kv = _load_latent(rows, valid, L, BL, LAYOUT, BLOCK_N, DOT_DTYPE, "evict_last")
+        pe = _load_rope(rows, valid, L, R, BR, LAYOUT, DOT_DTYPE)
+        visible = valid[:, None] & (pos[:, None] <= limit[None, :])
+        m_i, l_i, accT = _attend(kv, pe, qnT, qpT, visible, scale, m_i, l_i, accT, BLOCK_N, BLOCK_H, DOT_DTYPE, F32)
+
+    has_key = l_i > 0.0
+    oT = accT * (out_scale / tl.where(has_key, l_i, 1.0))[None, :]
+    row_lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_ptrs = out + b * stride_o_b + split * stride_o_split + offs_m[None, :] * stride_o_row + offs_l[:, None]
+    col_ok = offs_l[:, None] < L
+    if DIRECT:
+        tl.store(o_ptrs, oT.to(out.dtype.element_ty), mask=row_ok[None, :] & col_ok)
+    else:  # an empty split leaves its partial out unwritten: the combine never reads it
+        nonempty = tl.full([BLOCK_H], lo, lo.dtype) < hi
+        tl.store(o_ptrs, oT, mask=(row_ok & nonempty)[None, :] & col_ok)
+    tl.store(lse + b * stride_lse_b + split * stride_lse_split + offs_m, row_lse, mask=row_ok)
