@@ -1,0 +1,102 @@
+"""Build mla_decode's Triton kernels for sm_90 without a GPU and report what the build holds.
+
+    python benchmarks/sm90_build.py --form keys --tma --layout fp8 --block-n 32 --warps 8 --stages 4
+
+Prints registers, stack frame (spills), shared memory, wgmma (HGMMA) and mma.sync (HMMA) counts,
+copy-engine loads (UTMALDG), spill loads (LDL) from the cubin's SASS, and the number of copy
+buffers the pipeliner allocated; ``--ttgir FILE`` writes the TTGIR. It uses the Triton installed
+here (CI's: 3.9), which is not the H200's 3.6: read the numbers as leads, and time on the device.
+Arguments are specialised as the JIT does at a launch (pointers 16-byte aligned, strides and
+MAX_LEN divisible by 16), so loads vectorize as they would there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+STRIDES_DIV16 = ["stride_qn_b", "stride_qn_s", "stride_qn_h", "stride_qp_b", "stride_qp_s", "stride_qp_h",
+                 "stride_c_page", "stride_c_tok", "stride_o_b", "stride_o_split", "stride_o_row", "stride_lse_b",
+                 "stride_lse_split", "MAX_LEN"]
+
+
+def build(args):
+    from mlagraph.ops.triton import decode, decode_keys
+
+    layout = {"bf16": 0, "fp8": 1, "fp8_ds": 2}[args.layout]
+    cache = "*bf16" if layout == 0 else "*u8"
+    types = {"q_nope": "*bf16", "q_pe": "*bf16", "cache": cache, "block_table": "*i32", "seq_lens": "*i32",
+             "fp8_scale": "*fp32", "out": "*fp32", "lse": "*fp32", "qk_scale": "fp32"}
+    consts = dict(S_Q=args.s_q, H=args.heads, L=512, R=64, PAGE=64, BL=512, BR=64, LAYOUT=layout,
+                  BLOCK_H=max(16, triton.next_power_of_2(args.s_q * args.heads)), BLOCK_N=args.block_n,
+                  MAX_SPLITS=args.splits, DIRECT=args.splits == 1, F32=False, FP16=layout != 0)
+    if args.form == "rows":
+        fn = decode._split_kernel
+    else:
+        fn = decode_keys._split_keys_kernel
+        consts["TMA"] = args.tma
+        if "CHUNK" in fn.arg_names:
+            consts["CHUNK"] = args.chunk
+        n = args.block_n
+        elem = "bf16" if layout == 0 else "u8"
+        types["lat_desc"] = f"tensordesc<{elem}[{n},512]>" if args.tma else "constexpr"
+        types["pe_desc"] = (f"tensordesc<{'bf16' if layout != 1 else 'u8'}[{n},64]>" if args.tma else "constexpr")
+        types["sc_desc"] = (f"tensordesc<fp32[{n},4]>" if layout == 2 else types["lat_desc"]) if args.tma else "constexpr"
+        if not args.tma:
+            consts.update(lat_desc=None, sc_desc=None, pe_desc=None)
+    signature = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
+    div16 = [n for n, t in signature.items() if t.startswith("*")] + STRIDES_DIV16
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": args.warps, "num_stages": args.stages})
+
+
+def report(kernel) -> str:
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
+                           capture_output=True, text=True).stdout
+    sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    buffers = [int(m) for m in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", kernel.asm["ttgir"])]
+    counts = {op: sass.count(op) for op in ("HGMMA", "HMMA", "UTMALDG", "LDGSTS", "LDL")}
+    return (f"registers {regs.group(1) if regs else '?'}, stack {stack.group(1) if stack else '?'} B, shared "
+            f"{kernel.metadata.shared} B, copy buffers {max(buffers) if buffers else 0}, "
+            + ", ".join(f"{k} {v}" for k, v in counts.items()))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--form", choices=["rows", "keys"], default="keys")
+    p.add_argument("--tma", action="store_true", help="keys form: whole blocks through tensor descriptors")
+    p.add_argument("--layout", choices=["bf16", "fp8", "fp8_ds"], default="bf16")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--s-q", type=int, default=1)
+    p.add_argument("--block-n", type=int, default=32)
+    p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--splits", type=int, default=2)
+    p.add_argument("--chunk", type=int, default=64, help="keys form, where the kernel has CHUNK")
+    p.add_argument("--ttgir", default=None, help="write the TTGIR here")
+    args = p.parse_args()
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    kernel = build(args)
+    if args.ttgir:
+        with open(args.ttgir, "w") as f:
+            f.write(kernel.asm["ttgir"])
+    print(" ".join(sys.argv[1:]) or "(defaults)", "->", report(kernel))
+
+
+if __name__ == "__main__":
+    main()
