@@ -1,6 +1,7 @@
-"""The tiles every ``mla_decode`` kernel form reads (see :mod:`.decode`): a request's key run
-cut into splits on the device, latent and rope rows gathered from the paged cache with masks,
-and the dot that runs in exact float32 where asked."""
+"""What every ``mla_decode`` kernel form shares (see :mod:`.decode`): a request's key run cut
+into splits on the device, the program's query rows and their causal limits, the fp8 scale
+folded into scores and output, latent and rope rows gathered from the paged cache with masks,
+the dot that runs in exact float32 where asked, and the softmax's final normalisation."""
 
 from __future__ import annotations
 
@@ -21,6 +22,59 @@ def _split_len(kv_len, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
 def _kv_len(seq_len, MAX_LEN):
     """Keys of a request that exist in its block table (0 for a padding request)."""
     return tl.minimum(tl.maximum(seq_len, 0), MAX_LEN)
+
+
+@triton.jit
+def _split_run(seq_lens, b, stride_sl, MAX_LEN, split, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Request b's length and this split's keys [lo, hi) (lo >= hi: an empty split)."""
+    seq_len = tl.load(seq_lens + b * stride_sl)
+    kv_len = _kv_len(seq_len, MAX_LEN)
+    per_split = _split_len(kv_len, BLOCK_N, MAX_SPLITS)
+    lo = split * per_split
+    return seq_len, lo, tl.minimum(lo + per_split, kv_len)
+
+
+@triton.jit
+def _query_rows(row_block, seq_len, S_Q: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    """This block's rows (query i, head h) -> (offs_m, row_ok, qi, qh, limit [BLOCK_H]): each row
+    sees positions <= its own, ``limit`` (the causal limit)."""
+    offs_m = row_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    qi = offs_m // H
+    return offs_m, offs_m < S_Q * H, qi, offs_m % H, seq_len - S_Q + qi
+
+
+@triton.jit
+def _score_scales(fp8_scale, qk_scale, LAYOUT: tl.constexpr):
+    """(score scale, output scale): fp8 caches hold e4m3 * a per-tensor scale, applied to both."""
+    scale = qk_scale
+    out_scale = 1.0
+    if LAYOUT == 1:
+        kv_scale = tl.load(fp8_scale)
+        scale = qk_scale * kv_scale
+        out_scale = kv_scale
+    return scale, out_scale
+
+
+@triton.jit
+def _block_rows(cache, bt_row, start, hi, stride_bt_p, stride_c_page, stride_c_tok, PAGE: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Keys start..start+BLOCK_N -> (pos, valid, rows [BLOCK_N] cache row pointers): page ids from
+    the block table; a -1 page or a position past hi is not valid (its row is never read)."""
+    pos = start + tl.arange(0, BLOCK_N)
+    in_run = pos < hi
+    page = tl.load(bt_row + (pos // PAGE) * stride_bt_p, mask=in_run, other=-1)
+    valid = in_run & (page >= 0)
+    return pos, valid, cache + page.to(tl.int64) * stride_c_page + (pos % PAGE) * stride_c_tok
+
+
+@triton.jit
+def _normalizer(m_i, l_i, out_scale):
+    """The online softmax's end: (out's factor out_scale / l, lse in natural log) per row; a row
+    that saw no key gets factor out_scale and lse -inf (its accumulator is 0)."""
+    has_key = l_i > 0.0
+    factor = out_scale / tl.where(has_key, l_i, 1.0)
+    lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    return factor, lse
 
 
 @triton.jit

@@ -26,7 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._decode_tiles import _dot, _kv_len, _load_latent, _load_rope, _split_len
+from ._decode_tiles import (_block_rows, _dot, _load_latent, _load_rope, _normalizer, _query_rows, _score_scales,
+                            _split_run)
 from ._fp8 import from_fp8_bits
 
 
@@ -86,17 +87,8 @@ def _split_keys_kernel(
     b = tl.program_id(2).to(tl.int64)
     DOT_DTYPE: tl.constexpr = tl.float32 if F32 else (tl.float16 if FP16 else q_nope.dtype.element_ty)
 
-    seq_len = tl.load(seq_lens + b * stride_sl)
-    kv_len = _kv_len(seq_len, MAX_LEN)
-    per_split = _split_len(kv_len, BLOCK_N, MAX_SPLITS)
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, kv_len)  # lo >= hi: an empty split
-
-    offs_m = row_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_ok = offs_m < S_Q * H
-    qi = offs_m // H
-    qh = offs_m % H
-    limit = seq_len - S_Q + qi  # [BLOCK_H], last visible position
+    seq_len, lo, hi = _split_run(seq_lens, b, stride_sl, MAX_LEN, split, BLOCK_N, MAX_SPLITS)
+    offs_m, row_ok, qi, qh, limit = _query_rows(row_block, seq_len, S_Q, H, BLOCK_H)
     offs_l = tl.arange(0, BL)
     offs_r = tl.arange(0, BR)
     # The queries transposed, [BL, BLOCK_H] and [BR, BLOCK_H]: the products' shared-memory B side.
@@ -105,12 +97,7 @@ def _split_keys_kernel(
     qpT = tl.load(q_pe + b * stride_qp_b + (qi * stride_qp_s + qh * stride_qp_h)[None, :] + offs_r[:, None],
                   mask=row_ok[None, :] & (offs_r[:, None] < R), other=0.0).to(DOT_DTYPE)
 
-    scale = qk_scale
-    out_scale = 1.0
-    if LAYOUT == 1:  # fp8: every cached value is e4m3 * scale; apply it to scores and output
-        kv_scale = tl.load(fp8_scale)
-        scale = qk_scale * kv_scale
-        out_scale = kv_scale
+    scale, out_scale = _score_scales(fp8_scale, qk_scale, LAYOUT)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -128,19 +115,15 @@ def _split_keys_kernel(
             m_i, l_i, accT = _attend(kv, pe, qnT, qpT, visible, scale, m_i, l_i, accT, BLOCK_N, BLOCK_H,
                                      DOT_DTYPE, F32)
     for start in range(gather_lo, hi, BLOCK_N):  # with TMA: at most one (partial) block
-        pos = start + offs_n
-        in_run = pos < hi
-        page = tl.load(bt_row + (pos // PAGE) * stride_bt_p, mask=in_run, other=-1)
-        valid = in_run & (page >= 0)
-        rows = cache + page.to(tl.int64) * stride_c_page + (pos % PAGE) * stride_c_tok
+        pos, valid, rows = _block_rows(cache, bt_row, start, hi, stride_bt_p, stride_c_page, stride_c_tok, PAGE,
+                                       BLOCK_N)
         kv = _load_latent(rows, valid, L, BL, LAYOUT, BLOCK_N, DOT_DTYPE, "evict_last")
         pe = _load_rope(rows, valid, L, R, BR, LAYOUT, DOT_DTYPE)
         visible = valid[:, None] & (pos[:, None] <= limit[None, :])
         m_i, l_i, accT = _attend(kv, pe, qnT, qpT, visible, scale, m_i, l_i, accT, BLOCK_N, BLOCK_H, DOT_DTYPE, F32)
 
-    has_key = l_i > 0.0
-    oT = accT * (out_scale / tl.where(has_key, l_i, 1.0))[None, :]
-    row_lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    factor, row_lse = _normalizer(m_i, l_i, out_scale)
+    oT = accT * factor[None, :]
     o_ptrs = out + b * stride_o_b + split * stride_o_split + offs_m[None, :] * stride_o_row + offs_l[:, None]
     col_ok = offs_l[:, None] < L
     if DIRECT:
