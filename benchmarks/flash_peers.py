@@ -93,7 +93,8 @@ def _available(name):
 
 
 def bench_flash(rows, args, g):
-    from kernels import Runner, paged_cache, rel_err  # benchmarks/kernels.py (the caller)
+    from kernels import KEYS_SWEEP, Runner, paged_cache, rel_err, sweep  # benchmarks/kernels.py (the caller)
+    from mlagraph.ops.triton import decode as triton_decode
 
     fm, fm_why = _available("flashmla")
     fi, fi_why = _available("flashinfer")
@@ -114,9 +115,6 @@ def bench_flash(rows, args, g):
         triton_op = lambda: torch.ops.mlagraph_triton.mla_decode(*args_)  # noqa: E731
         run.run("triton", triton_op, check, graph_fns=[triton_op])
         if args.sweep and h * s_q <= 32:
-            from kernels import KEYS_SWEEP, sweep
-            from mlagraph.ops.triton import decode as triton_decode
-
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
                   KEYS_SWEEP.get((s_q, b), KEYS_SWEEP.get(s_q, [])), graphs=True)
         mirrors = {table: table.cpu(), lens: lens.cpu()}
