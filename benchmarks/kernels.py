@@ -613,15 +613,33 @@ def bench_moe(rows, args, g):
     Rows: ``grouped`` (the generic op: tokens sorted by expert, two grouped GEMMs), ``triton``
     (the triton backend's op: the pair kernels up to PAIRS_PER_EXPERT_MAX, the grouped path
     above), ``triton-pairs`` (the pair kernels forced at every size: where the switch belongs),
-    ``triton-grouped`` (the generic sort with our Triton grouped GEMM for bf16 experts),
-    ``triton, 8 layers`` (V2-Lite decode: the op over 8 copies of the experts in turn, as a
-    model reads them: nothing left in L2) and, with --sweep, tiles; decode sizes are timed as
-    CUDA-graph replays (the engine's way)."""
+    ``triton-sorted`` (our sorted path forced: the one-launch sort and schedule, our grouped
+    GEMM reading tokens in place; bf16 and fp8), ``triton-grouped, torch sort`` (the generic
+    op's torch sort with our grouped GEMM, what the sorted path replaced: the sort's cost),
+    ``triton, 8 layers`` / ``26 layers`` (V2-Lite decode: the op over 8 or 26 copies of the
+    experts in turn, as a model reads them: nothing left in L2, and as many pages of memory as
+    the model spans) and, with --sweep, tiles; decode sizes are timed as CUDA-graph replays
+    (the engine's way)."""
     from common import V2_LITE_MOE, V3_MOE, moe_floor_bytes, moe_layer_args
 
+    from mlagraph.ops import moe as generic
     from mlagraph.ops.moe import moe_all_experts, route
 
     tm = kernels("moe")
+    glue, grouped = kernels("moe_glue"), kernels("grouped_fp8")
+
+    def torch_sorted(a, w=None):
+        """The generic op's torch sort + our grouped GEMM (the sorted path before moe_sort)."""
+        gu, dn = (a[2], a[3]) if w is None else w
+        gs, ds = a[12], a[13]
+        mm = (lambda wt, sc: (lambda x, offs: grouped.grouped_fp8_mm(x, wt, sc, offs))) if gs is not None else \
+            (lambda wt, sc: (lambda x, offs: grouped.grouped_float_mm(x, wt, offs)))
+        return generic._grouped_experts(a[0], *route(a[1], *a[4:12]), gu.shape[0], mm(gu, gs), mm(dn, ds),
+                                        activate=glue.silu_mul, combine=glue.unsort_combine)
+
+    def sorted_path(a, cfg=None, w=None):
+        gu, dn = (a[2], a[3]) if w is None else w
+        return tm.grouped_triton(a[0], *route(a[1], *a[4:12]), gu, dn, None, a[12], a[13], config=cfg)
     limits = dict(tm.PAIRS_PER_EXPERT_MAX)
 
     def forced_pairs(a):
@@ -631,9 +649,12 @@ def bench_moe(rows, args, g):
         finally:
             tm.PAIRS_PER_EXPERT_MAX.update(limits)
 
-    cases = [("V2-Lite", V2_LITE_MOE, False, (1, 2, 4, 8, 16, 32, 64, 1024, 4096)),
-             ("V3", V3_MOE, False, (1, 4, 8, 16, 32, 128, 8192)),
-             ("V3", V3_MOE, True, (1, 4, 8, 16, 32, 128, 8192))]
+    cases = [("V2-Lite", V2_LITE_MOE, False, (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)),
+             ("V3", V3_MOE, False, (1, 4, 8, 16, 32, 128, 256, 8192)),
+             ("V3", V3_MOE, True, (1, 4, 8, 16, 32, 128, 256, 8192))]
+    grouped_cfgs = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+                    for m, n, w, st in ((16, 64, 4, 3), (16, 64, 4, 5), (16, 128, 4, 4), (16, 128, 8, 4),
+                                        (16, 256, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 4))]
     sweep_cfgs = [{"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}, {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4},
                   {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 8},
                   {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}, {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2},
@@ -647,6 +668,8 @@ def bench_moe(rows, args, g):
         base = moe_layer_args(max(tokens), device="cuda", fp8=fp8, **dims)
         layer_copies = None  # V2-Lite: 8 layers' experts, made at the first decode size
         for t in tokens:
+            if args.moe_tokens and str(t) not in args.moe_tokens.split(","):
+                continue
             a = (base[0][:t], base[1][:t], *base[2:])
             nbytes, touched = moe_floor_bytes(a)
             name = f"moe {model} T={t} {label} ({touched} experts)"
@@ -658,7 +681,7 @@ def bench_moe(rows, args, g):
             tol = 6e-2 if fp8 and t > 128 else 2e-2
             flops = 2 * t * dims["top_k"] * 3 * dims["dim"] * dims["inter"]
             run = Runner(rows, name, flops, nbytes, tol=tol)
-            decode = t <= 128
+            decode = t <= 256
 
             def variant(label_, fn):
                 run.run(label_, fn, check, **({"graph_fns": [fn]} if decode else {}))
@@ -667,9 +690,14 @@ def bench_moe(rows, args, g):
             variant("triton", lambda a=a: OURS.moe(*a))
             if decode:
                 variant("triton-pairs", lambda a=a: forced_pairs(a))
-                if not fp8:  # our grouped Triton GEMM in place of F.grouped_mm, same sort
-                    variant("triton-grouped", lambda a=a: tm.grouped_triton(a[0], *route(a[1], *a[4:12]), a[2], a[3]))
-                if args.sweep and t <= 16:
+                if t * dims["top_k"] <= kernels("moe_sort").MAX_PAIRS:
+                    variant("triton-sorted", lambda a=a: sorted_path(a))
+                variant("triton-grouped, torch sort", lambda a=a: torch_sorted(a))
+                if args.sweep and t >= 32 and t * dims["top_k"] <= kernels("moe_sort").MAX_PAIRS:
+                    for cfg in grouped_cfgs:
+                        variant("triton-sorted:" + ",".join(f"{k}={v}" for k, v in cfg.items()),
+                                lambda a=a, cfg=cfg: sorted_path(a, cfg))
+                if args.sweep_pairs and t <= 16:
                     fp8_cfgs = [{"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4},
                                 {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4},
                                 {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2},
@@ -681,18 +709,25 @@ def bench_moe(rows, args, g):
                         cfg_name = "triton-pairs:" + ",".join(f"{k}={v}" for k, v in cfg.items())
                         variant(cfg_name, lambda a=a, cfg=cfg: tm.routed_experts(
                             a[0], *route(a[1], *a[4:12]), a[2], a[3], a[12], a[13], None, config=cfg))
-            if model == "V2-Lite" and decode and t <= 16:
+            if model == "V2-Lite" and decode and t <= 128:
                 # The model reads another layer's experts each call, so L2 holds none of them:
-                # the same op over 8 layers' weights, timed per call (rows "... 8 layers").
+                # the same op over 8 and 26 layers' weights (26: V2-Lite's MoE layers, 29 GB, as
+                # many memory pages as the model's experts span), timed per call.
                 if layer_copies is None:
-                    layer_copies = [(a[2], a[3])] + [(a[2].clone(), a[3].clone()) for _ in range(7)]
-                layers = [lambda w=w, a=a: OURS.moe(a[0], a[1], w[0], w[1], *a[4:]) for w in layer_copies]
-                run.run("triton, 8 layers", layers[0], check, graph_fns=layers)
-                if args.sweep:
+                    layer_copies = [(a[2], a[3])] + [(a[2].clone(), a[3].clone()) for _ in range(25)]
+                for n in (8, 26):
+                    layers = [lambda w=w, a=a: OURS.moe(a[0], a[1], w[0], w[1], *a[4:]) for w in layer_copies[:n]]
+                    run.run(f"triton, {n} layers", layers[0], check, graph_fns=layers)
+                if t >= 16:
+                    fns = [lambda w=w, a=a: sorted_path(a, w=w) for w in layer_copies]
+                    run.run("triton-sorted, 26 layers", fns[0], check, graph_fns=fns)
+                    fns = [lambda w=w, a=a: torch_sorted(a, w=w) for w in layer_copies]
+                    run.run("triton-grouped, torch sort, 26 layers", fns[0], check, graph_fns=fns)
+                if args.sweep_pairs and t <= 16:
                     for cfg in sweep_cfgs:
                         fns = [lambda w=w, a=a, cfg=cfg: tm.routed_experts(
                             a[0], *route(a[1], *a[4:12]), w[0], w[1], None, None, None, config=cfg)
-                            for w in layer_copies]
+                            for w in layer_copies[:8]]
                         run.run("triton-pairs, 8 layers:" + ",".join(f"{k}={v}" for k, v in cfg.items()),
                                 fns[0], check, graph_fns=fns)
             if model == "V3" and (t == 1 or t == max(tokens)) and not (fp8 and t > 1):
@@ -733,7 +768,7 @@ def bench_route(rows, args, g):
             name = f"route {model} T={t}"
             print(name, flush=True)
             run = Runner(rows, name, 0.0, t * experts * 4, tol=1e-5)
-            decode = t <= 128
+            decode = t <= 256
             for label, fn in (("torch", lambda a=a: torch_route(*a)), ("triton", lambda a=a: tr.route(*a))):
                 run.run(label, fn, check, **({"graph_fns": [fn]} if decode else {}))
 
@@ -756,6 +791,8 @@ def main() -> None:
     p.add_argument("--flash-parts", default="decode,sparse,prefill",
                    help="flash only: comma list of its parts (decode, sparse, prefill)")
     p.add_argument("--moe-cases", default="", help="moe only: comma list of V2-Lite-bf16, V3-bf16, V3-fp8 (default all)")
+    p.add_argument("--moe-tokens", default="", help="moe only: comma list of token counts (default all)")
+    p.add_argument("--sweep-pairs", action="store_true", help="moe only: also sweep the pair kernels' tiles")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py times GPU kernels: no CUDA device here")

@@ -41,10 +41,11 @@ BLOCK_K = 128  # one fp8 scale block along K
 
 @triton.jit
 def _grouped_fp8_kernel(
-    x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, N, K,
+    x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, N, K,
     stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     A_FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, W_FP8: tl.constexpr = True,
+    GATHER_K: tl.constexpr = 0,  # > 0: sorted row r reads x row order[r] // GATHER_K (the pair's token)
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + pid_m)
@@ -54,6 +55,9 @@ def _grouped_fp8_kernel(
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < row_end, cols < N
+        x_rows = rows
+        if GATHER_K > 0:
+            x_rows = tl.load(order_ptr + rows, mask=row_ok, other=0) // GATHER_K
         w_base = w_ptr + e.to(tl.int64) * stride_we
         s_base = s_ptr + e.to(tl.int64) * stride_se + (cols // 128) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -61,12 +65,12 @@ def _grouped_fp8_kernel(
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             x_mask, w_mask = row_ok[:, None] & k_ok[None, :], col_ok[:, None] & k_ok[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0)
+            x = tl.load(x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + ks[None, :], mask=x_mask, other=0)
             w8 = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0)  # e4m3 bits, or floats
             if not W_FP8:  # float experts (x's dtype): the same schedule, no scales
                 acc = _dot(x, tl.trans(w8), acc, PRECISION, UPCAST)
             elif A_FP8:  # e4m3 x e4m3 on the tensor cores, both scales applied to the block's product
-                x_scale = tl.load(xs_ptr + rows * stride_xs + k0 // 128, mask=row_ok, other=0.0)  # [BLOCK_M]
+                x_scale = tl.load(xs_ptr + x_rows * stride_xs + k0 // 128, mask=row_ok, other=0.0)  # [BLOCK_M]
                 scale = tl.load(s_base + k0 // 128, mask=col_ok, other=0.0)  # [BLOCK_N]: one per column's block row
                 if UPCAST:  # the interpreter: exact float32 products of the e4m3 values
                     part = tl.dot(from_fp8_bits(x), tl.trans(from_fp8_bits(w8)), input_precision="ieee")
@@ -104,67 +108,80 @@ def fp8_activations_pay(x: torch.Tensor, num_experts: int) -> bool:
     return x.dtype == torch.bfloat16 and x.shape[1] % BLOCK_K == 0 and x.shape[0] >= 64 * num_experts
 
 
-def grouped_fp8_mm(
-    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, quantize_activations: bool = False
-) -> torch.Tensor:
-    """x [R, K] (rows sorted by expert, float32/bfloat16/float16), w [E, N, K] e4m3, scale
-    [E, ceil(N/128), ceil(K/128)] float32, offs [E] int32 group ends (offs[-1] == R) -> [R, N]
-    in x's dtype. ``quantize_activations`` (K % 128 == 0): x quantized per 1x128 group to e4m3
-    first, as DeepSeek's fp8 GEMM does (adds e4m3's rounding of x)."""
-    check_runnable("moe", _grouped_fp8_kernel, x, namespace="mlagraph")
-    num_rows, k = x.shape
+def default_config(num_rows: int, num_experts: int, n: int, device, interpreter: bool) -> dict:
+    """Tiles from shapes only (no autotuning): 16-row M tiles for decode-sized groups (a few rows
+    an expert: an expert's weights are read once per 16 of its rows), 64 past them; N tiles of
+    64 where 128-wide ones would leave SMs idle (a decode-sized dense linear)."""
+    if interpreter:
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    block_m = 16 if num_rows <= 4 * num_experts else 64
+    tiles = -(-num_rows // block_m) + min(num_experts, num_rows)
+    block_n = 64 if tiles * triton.cdiv(n, 128) < 2 * hardware(device).num_sms else 128
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 3}
+
+
+def run_tiles(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, schedule, out_rows: int, config: dict,
+              order: torch.Tensor | None = None, top_k: int = 1, quantize_activations: bool = False) -> torch.Tensor:
+    """The grouped GEMM over a tile schedule made beforehand ((expert, row0, row_end) per tile, of
+    ``config["BLOCK_M"]`` rows: :func:`tile_schedule` or :func:`.moe_sort.sort_pairs`) -> [out_rows, N]
+    in x's dtype. w [E, N, K]: e4m3 with ``scale`` [E, ceil(N/128), ceil(K/128)], or floats in x's
+    dtype (``scale`` None). ``order`` (with ``top_k``): sorted row r reads x's row order[r] // top_k,
+    so x is the batch's hidden states [T, K], not a sorted copy of them."""
     num_experts, n = w.shape[:2]
+    k = x.shape[1]
     out_dtype = x.dtype
     x = x if x.stride(1) == 1 else x.contiguous()
+    w_fp8 = scale is not None
     x_scale = x.new_empty(0, dtype=torch.float32)  # unused without quantize_activations
     if quantize_activations:
         x8, x_scale = quantize_1x128(x)
         x = x8.view(torch.uint8)
-    w8 = w.view(torch.uint8)
-    if w8.stride(2) != 1:
-        w8 = w8.contiguous()
-    in_interpreter = interpreted(_grouped_fp8_kernel)
-    # decode-sized groups (a few rows per expert) waste less of a small M tile
-    block_m = 16 if in_interpreter or num_rows <= 4 * num_experts else 64
-    expert, row0, row_end = tile_schedule(offs, num_rows, block_m)
-    # narrower N tiles when 128-wide ones would leave SMs idle (a decode-sized dense linear)
-    block_n = 32 if in_interpreter else 64 if expert.shape[0] * triton.cdiv(n, 128) < 2 * hardware(x.device).num_sms else 128
-    out = torch.empty(num_rows, n, dtype=out_dtype, device=x.device)
-    if num_rows == 0:
+    if w_fp8:
+        w = w.view(torch.uint8)
+    if w.stride(2) != 1:
+        w = w.contiguous()
+    no_scale = x_scale.new_empty(0)
+    s = scale if w_fp8 else no_scale
+    out = torch.empty(out_rows, n, dtype=out_dtype, device=x.device)
+    expert, row0, row_end = schedule
+    if out_rows == 0 or expert.shape[0] == 0:
         return out
-    grid = (expert.shape[0], triton.cdiv(n, block_n))
+    in_interpreter = interpreted(_grouped_fp8_kernel)
+    grid = (expert.shape[0], triton.cdiv(n, config["BLOCK_N"]))
     _grouped_fp8_kernel[grid](
-        x, x_scale, w8, scale, out, expert, row0, row_end, n, k,
-        x.stride(0), x_scale.stride(0) if quantize_activations else 0, w8.stride(0), w8.stride(1), scale.stride(0),
-        scale.stride(1), out.stride(0),
-        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, A_FP8=quantize_activations,
-        PRECISION="ieee" if out_dtype == torch.float32 else "tf32", UPCAST=in_interpreter,
+        x, x_scale, w, s, out, expert, row0, row_end, order if order is not None else expert, n, k,
+        x.stride(0), x_scale.stride(0) if quantize_activations else 0, w.stride(0), w.stride(1),
+        s.stride(0) if w_fp8 else 0, s.stride(1) if w_fp8 else 0, out.stride(0),
+        NUM_EXPERTS=num_experts, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=BLOCK_K,
+        A_FP8=quantize_activations, PRECISION="ieee" if out_dtype == torch.float32 else "tf32", UPCAST=in_interpreter,
+        W_FP8=w_fp8, GATHER_K=top_k if order is not None else 0,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     return out
 
 
-def grouped_float_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _grouped(x, w, scale, offs, quantize_activations, config):
+    check_runnable("moe", _grouped_fp8_kernel, x, namespace="mlagraph")
+    cfg = default_config(x.shape[0], w.shape[0], w.shape[1], x.device, interpreted(_grouped_fp8_kernel))
+    cfg.update(config or {})
+    schedule = tile_schedule(offs, x.shape[0], cfg["BLOCK_M"])
+    return run_tiles(x, w, scale, schedule, x.shape[0], cfg, quantize_activations=quantize_activations)
+
+
+def grouped_fp8_mm(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, quantize_activations: bool = False,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """x [R, K] (rows sorted by expert, float32/bfloat16/float16), w [E, N, K] e4m3, scale
+    [E, ceil(N/128), ceil(K/128)] float32, offs [E] int32 group ends (offs[-1] == R) -> [R, N]
+    in x's dtype. ``quantize_activations`` (K % 128 == 0): x quantized per 1x128 group to e4m3
+    first, as DeepSeek's fp8 GEMM does (adds e4m3's rounding of x). ``config``: tile overrides
+    (BLOCK_M, BLOCK_N, num_warps, num_stages; benchmarks/kernels.py --sweep)."""
+    return _grouped(x, w, scale, offs, quantize_activations, config)
+
+
+def grouped_float_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """``F.grouped_mm(x, w.transpose(1, 2), offs=offs)`` by the same tile schedule and kernel,
     for float experts: x [R, K] (rows sorted by expert), w [E, N, K] in x's dtype, offs [E] int32
-    group ends -> [R, N] in x's dtype. Decode-sized groups (a few rows an expert) take 16-row
-    tiles: an expert's weights are read once per 16 of its rows."""
-    check_runnable("moe", _grouped_fp8_kernel, x, namespace="mlagraph")
-    num_rows, k = x.shape
-    num_experts, n = w.shape[:2]
-    x = x if x.stride(1) == 1 else x.contiguous()
-    w = w if w.stride(2) == 1 else w.contiguous()
-    in_interpreter = interpreted(_grouped_fp8_kernel)
-    block_m = 16 if in_interpreter or num_rows <= 4 * num_experts else 64
-    expert, row0, row_end = tile_schedule(offs, num_rows, block_m)
-    block_n = 32 if in_interpreter else 64 if expert.shape[0] * triton.cdiv(n, 128) < 2 * hardware(x.device).num_sms else 128
-    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
-    if num_rows == 0:
-        return out
-    no_scale = x.new_empty(0, dtype=torch.float32)
-    _grouped_fp8_kernel[(expert.shape[0], triton.cdiv(n, block_n))](
-        x, no_scale, w, no_scale, out, expert, row0, row_end, n, k,
-        x.stride(0), 0, w.stride(0), w.stride(1), 0, 0, out.stride(0),
-        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, A_FP8=False,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=in_interpreter, W_FP8=False,
-    )
-    return out
+    group ends -> [R, N] in x's dtype."""
+    return _grouped(x, w, None, offs, False, config)

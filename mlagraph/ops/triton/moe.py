@@ -24,11 +24,12 @@ share an expert read the same weight rows at about the same time and the second 
 hit; an expert no pair picked is never read. Expert parallel (``first_expert``): a pair whose
 expert lives on another rank computes nothing and weighs 0.
 
-Bigger batches sort the rows by expert as the generic op does (tensor-core GEMMs): up to
-:data:`TRITON_GROUPED_PER_EXPERT_MAX` rows an expert with our Triton grouped GEMM
-(:func:`~.grouped_fp8.grouped_float_mm`, 16-row tiles), past it (prefill) with the generic op's.
-:func:`path_for` decides, from shapes only. Both sorted paths take the fused glue of
-:mod:`.moe_glue` (silu * up between the GEMMs, unsort + weighted sum after them: two launches).
+Bigger batches sort the rows by expert (tensor-core GEMMs): up to
+:data:`TRITON_GROUPED_PER_EXPERT_MAX` rows an expert in five launches of ours
+(:func:`grouped_triton`: the sort and tile schedule in one, :mod:`.moe_sort`; our grouped GEMM,
+:mod:`.grouped_fp8`, reading each row's token in place), past it (prefill) with the generic
+op's torch sort and GEMMs. :func:`path_for` decides, from shapes only. Both sorted paths take the
+fused glue of :mod:`.moe_glue` (silu * up between the GEMMs, unsort + weighted sum after them).
 Routing, on every path, is one launch (:func:`.route.route`: the generic op's choice of experts
 up to ties, in place of its five to twelve torch kernels; V3's grouped router took 43.7 us a layer
 at T=1 that way on the H200, the kernel 5.2). Nothing reads a value on the host: capturable.
@@ -44,19 +45,24 @@ from .. import moe as _generic
 from ._fp8 import from_fp8_bits
 from ._hardware import interpreted
 from ._launch import check_runnable
-from .moe_glue import silu_mul, unsort_combine
+from .grouped_fp8 import default_config as grouped_config
+from .grouped_fp8 import run_tiles
+from .moe_glue import combine_rows, silu_mul, unsort_combine
+from .moe_sort import MAX_PAIRS, sort_pairs
 from .route import route
 
-# Where each path pays, in (token, expert) pairs per expert of the layer (T * top_k / E), from
-# the H200 (2026-12-04, benchmarks/kernels.py --only moe; times below are CUDA-graph replays):
-# - bf16 experts, the pair kernels win at 1.5 a expert (V2-Lite T=16: 327 us against 407 for
-#   the generic op's F.grouped_mm) and lose at 3 (T=32: 543 vs 481); V3 ties at 1 (T=32: 4274
-#   vs 4316). Past them our Triton grouped GEMM (16-row tiles) beats F.grouped_mm up to the
-#   6 a expert measured (V2-Lite T=32: 407 vs 481 us; T=64: 451 vs 480).
-# - fp8 experts, against the grouped fp8 kernel: the pair kernels win at 1/8 a expert (V3 T=4:
-#   535 vs 558 us) and lose at 1/4 (T=8: 972 vs 874).
-PAIRS_PER_EXPERT_MAX = {"bf16": 1.5, "fp8": 0.125}
-TRITON_GROUPED_PER_EXPERT_MAX = 8.0  # bf16 experts: our grouped GEMM up to here, F.grouped_mm past it
+# Where each path pays, in (token, expert) pairs per expert of the layer (T * top_k / E).
+# 2026-12-04, H200 (benchmarks/kernels.py --only moe; CUDA-graph replays): fp8 experts, the pair
+# kernels beat the grouped fp8 kernel at 1/8 a expert (V3 T=4: 535 vs 558 us) and lose at 1/4
+# (T=8: 972 vs 874). 2026-12-06, H100 (the sorted path with its one-launch sort, bf16): the pair
+# kernels win at 0.09 a expert (V2-Lite T=1: 47 vs 68 us), tie at 0.5 (V3 T=16: 2798 vs 2794) and
+# lose at 1 (V3 T=32: 4577 vs 4296) and 1.5 (V2-Lite T=16: 342 vs 315); the sorted path beats the
+# generic op's F.grouped_mm up to the 24 a expert measured (V2-Lite T=256: 478 vs 491 us; T=128:
+# 439 vs 536) and the torch sort feeding the same GEMM by about 100 us a V2-Lite layer.
+PAIRS_PER_EXPERT_MAX = {"bf16": 0.75, "fp8": 0.125}
+# Our sorted path up to here (bf16 and fp8 experts), the generic op's past it: F.grouped_mm for bf16,
+# the same grouped fp8 kernel behind a torch sort for fp8 (W8A8 from 64 rows an expert).
+TRITON_GROUPED_PER_EXPERT_MAX = 32.0
 SCALE_BLOCK = 128  # fp8 experts: one float32 scale per 128 x 128 weight block
 
 
@@ -183,25 +189,33 @@ def default_config(pairs: int, fp8: bool) -> dict:
 
 def path_for(num_tokens: int, top_k: int, num_experts: int, fp8: bool) -> str:
     """Which implementation takes a call: ``"pairs"`` (the kernels above), ``"triton_grouped"``
-    (the generic sort with our grouped GEMM; bf16 experts) or ``"generic"`` (the generic op's
-    grouped path: F.grouped_mm, or the grouped fp8 kernel). ``num_experts``: the router's E."""
+    (:func:`grouped_triton`) or ``"generic"`` (the generic op's grouped path: F.grouped_mm, or
+    the grouped fp8 kernel behind a torch sort). ``num_experts``: the router's E."""
     per_expert = num_tokens * top_k / num_experts
     if per_expert <= PAIRS_PER_EXPERT_MAX["fp8" if fp8 else "bf16"] or num_tokens * top_k <= 1:
         return "pairs"
-    if not fp8 and per_expert <= TRITON_GROUPED_PER_EXPERT_MAX:
+    if per_expert <= TRITON_GROUPED_PER_EXPERT_MAX and num_tokens * top_k <= MAX_PAIRS:
         return "triton_grouped"
     return "generic"
 
 
-def grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert=None) -> torch.Tensor:
-    """The generic op's grouped path (rows sorted by expert) with our Triton grouped GEMM for
-    float experts in place of ``F.grouped_mm`` (benchmarks compare the two)."""
-    from .grouped_fp8 import grouped_float_mm
-
-    return _generic._grouped_experts(hidden, weights, ids, gate_up_proj.shape[0],
-                                     lambda x, offs: grouped_float_mm(x, gate_up_proj, offs),
-                                     lambda x, offs: grouped_float_mm(x, down_proj, offs), first_expert=first_expert,
-                                     activate=silu_mul, combine=unsort_combine)
+def grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert=None, gate_up_scale=None,
+                   down_scale=None, config: dict | None = None) -> torch.Tensor:
+    """The sorted path in five launches after routing: the pairs sorted by expert and the tile
+    schedule in one (:func:`.moe_sort.sort_pairs`), our grouped GEMM reading each sorted row's
+    token from ``hidden`` directly (no sorted copy), silu * up, the down GEMM, and the unsort +
+    weighted sum (:mod:`.moe_glue`). bf16 or fp8 experts (W8A16: each expert's e4m3 weights read
+    once). ``config``: the GEMMs' tile overrides (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    num_tokens, top_k = ids.shape
+    num_local, two_inter = gate_up_proj.shape[:2]
+    pairs = num_tokens * top_k
+    cfg = grouped_config(pairs, num_local, two_inter, hidden.device, interpreted(_gate_up_kernel))
+    cfg.update(config or {})
+    sort = sort_pairs(ids, num_local, cfg["BLOCK_M"], first_expert)
+    gate_up = run_tiles(hidden, gate_up_proj, gate_up_scale, sort.schedule, pairs, cfg, order=sort.order, top_k=top_k)
+    act = silu_mul(gate_up, hidden.dtype)
+    y = run_tiles(act, down_proj, down_scale, sort.schedule, pairs, cfg)
+    return combine_rows(y, sort.row_of, weights, sort.remote if first_expert is not None else None, hidden.dtype)
 
 
 def routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, first_expert,
@@ -260,13 +274,14 @@ def moe(hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias,
         topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor, gate_up_scale=None,
         down_scale=None, first_expert=None):
     """The triton backend's ``moe`` (arguments already checked by the generic op's check): the
-    pair kernels for decode-sized batches, the generic grouped path otherwise."""
+    pair kernels for decode-sized batches, our sorted path for mid-sized ones, the generic
+    grouped path for prefill (:func:`path_for`)."""
     weights, ids = route(router_logits, e_score_correction_bias, top_k, scoring_func, topk_method, n_group,
                          topk_group, norm_topk_prob, routed_scaling_factor)
     path = path_for(hidden.shape[0], top_k, router_logits.shape[1], gate_up_scale is not None)
     if path == "pairs":
         return routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, first_expert)
     if path == "triton_grouped":
-        return grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert)
+        return grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert, gate_up_scale, down_scale)
     return _generic.routed_grouped(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale,
                                    router_logits.shape[1], first_expert, activate=silu_mul, combine=unsort_combine)

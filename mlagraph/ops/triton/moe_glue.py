@@ -78,13 +78,20 @@ def unsort_combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, 
     """y [T*k, D] in sorted-row order (row i is pair ``order[i]``), weights [T, k] -> [T, D] in
     dtype: the float32 weighted sum of each token's k rows; ``remote`` [T*k] bool or None."""
     check_runnable("moe", _unsort_combine_kernel, y)
+    # row_of[pair] = its sorted row: order's inverse permutation (a scatter of T*k ints).
+    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return combine_rows(y, row_of, weights, remote, dtype)
+
+
+def combine_rows(y: torch.Tensor, row_of: torch.Tensor, weights: torch.Tensor, remote, dtype) -> torch.Tensor:
+    """:func:`unsort_combine` with each pair's sorted row given: row_of [T*k] (pair -> row of y);
+    ``remote`` [T*k] bool / uint8 or None (pairs another rank computes add nothing)."""
+    check_runnable("moe", _unsort_combine_kernel, y)
     num_tokens, top_k = weights.shape
     dim = y.shape[1]
     out = torch.empty(num_tokens, dim, dtype=dtype, device=y.device)
     if num_tokens == 0 or dim == 0:
         return out
-    # row_of[pair] = its sorted row: order's inverse permutation (a scatter of T*k ints).
-    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     if y.stride(1) != 1:
         y = y.contiguous()
     flat_w = weights.reshape(-1).float().contiguous()

@@ -1,0 +1,149 @@
+"""The MoE's (token, slot) pairs sorted by expert, and the grouped GEMMs' tile schedule, in one
+launch.
+
+The generic op (:func:`mlagraph.ops.moe._grouped_experts`) sorts with torch: int16 keys, a radix
+argsort, a scatter-add histogram, a cumsum, the row gather, and per GEMM the tile schedule
+(:func:`.grouped_fp8.tile_schedule`: a dozen more small kernels). At decode sizes each of those
+is a launch of a few microseconds that moves a few hundred bytes; about forty of them per MoE
+layer cost more than a tenth of what reading a V2-Lite layer's experts does at batch 32.
+
+Here one program does all of it, for up to :data:`MAX_PAIRS` pairs (a counting sort: a batch has
+few pairs and an expert id is a small integer):
+
+1. counts[e]: the pairs of each local expert (under expert parallelism bin ``num_local``
+   collects another rank's pairs, so they sort after every local group, as in the generic op);
+2. starts = the exclusive prefix sum of counts: each group's first sorted row;
+3. each pair's sorted row = starts[e] + the pairs of expert e before it (a stable sort: pair
+   order within a group, as ``argsort(stable=True)`` gives), by chunks of pairs: a one-hot
+   [CHUNK, E_PAD] of the chunk's experts and its prefix sum down the chunk;
+4. the tiles: an expert with c rows takes ceil(c / BLOCK_M) tiles of BLOCK_M rows that never
+   straddle two experts; tile t belongs to the expert whose tile range holds t (a search over
+   the prefix sum of tile counts); tiles past the last real one get expert ``num_local``, which
+   the GEMM kernel skips.
+
+Outputs, int32: ``order`` [P] (sorted row -> pair), ``row_of`` [P] (pair -> sorted row), and per tile ``tile_expert`` / ``tile_row0`` / ``tile_row_end`` [max_tiles] with
+max_tiles = cdiv(P, BLOCK_M) + min(E, P), the same contract as :func:`.grouped_fp8.tile_schedule`
+(which stays the oracle); ``remote`` [P] uint8, 1 for another rank's pairs (whose rows no GEMM
+writes). Nothing is read on the host: capturable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ._hardware import interpreted
+from ._launch import check_runnable
+
+# One program sorts the whole batch: its work grows with pairs x experts, so past this many
+# pairs (a prefill) the generic op's torch sort, whose kernels spread over the GPU, takes over.
+MAX_PAIRS = 4096
+
+
+@triton.jit
+def _bins_of(ids_ptr, offs, P, first_expert, num_local):
+    """Local expert of each pair in ``offs`` (another rank's pairs: bin num_local), and which exist."""
+    ok = offs < P
+    e = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32) - first_expert
+    e = tl.where((e >= 0) & (e < num_local), e, num_local)
+    return e, ok
+
+
+@triton.jit
+def _sort_pairs_kernel(
+    ids_ptr, order_ptr, row_of_ptr, remote_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+    P, first_expert, num_local, max_tiles,
+    E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    bins = tl.arange(0, E_PAD)
+    # 1. pairs per bin
+    counts = tl.zeros([E_PAD], tl.int32)
+    for c0 in range(0, P, CHUNK):
+        e, ok = _bins_of(ids_ptr, c0 + tl.arange(0, CHUNK), P, first_expert, num_local)
+        counts += tl.sum(((e[:, None] == bins[None, :]) & ok[:, None]).to(tl.int32), 0)
+    # 2. each group's first row
+    starts = tl.cumsum(counts, 0) - counts
+    # 3. stable rows: a pair's row is its group's start plus the group's pairs before it
+    seen = starts
+    for c0 in range(0, P, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        e, ok = _bins_of(ids_ptr, offs, P, first_expert, num_local)
+        onehot = ((e[:, None] == bins[None, :]) & ok[:, None]).to(tl.int32)  # [CHUNK, E_PAD]
+        before = tl.cumsum(onehot, 0) - onehot  # same-bin pairs earlier in this chunk
+        row = tl.sum(onehot * (before + seen[None, :]), 1)  # [CHUNK]
+        tl.store(row_of_ptr + offs, row, mask=ok)
+        tl.store(order_ptr + row, offs, mask=ok)
+        tl.store(remote_ptr + offs, (e == num_local).to(tl.uint8), mask=ok)
+        seen += tl.sum(onehot, 0)
+    # 4. tiles of BLOCK_M rows, none straddling two experts; bin num_local (remote) gets none
+    tiles = tl.where(bins < num_local, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_end = tl.cumsum(tiles, 0)
+    tile_start = tile_end - tiles
+    for t0 in range(0, max_tiles, CHUNK):
+        t = t0 + tl.arange(0, CHUNK)
+        # the first bin whose tiles end after t; none (past the last tile): E_PAD -> num_local
+        expert = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), 1)
+        mine = bins[None, :] == expert[:, None]  # [CHUNK, E_PAD], one hot (or none past the end)
+        row0 = tl.sum(tl.where(mine, starts[None, :] - tile_start[None, :] * BLOCK_M, 0), 1) + t * BLOCK_M
+        row_end = tl.sum(tl.where(mine, starts[None, :] + counts[None, :], 0), 1)
+        ok = t < max_tiles
+        tl.store(tile_expert_ptr + t, tl.minimum(expert, num_local), mask=ok)
+        tl.store(tile_row0_ptr + t, row0, mask=ok)
+        tl.store(tile_row_end_ptr + t, row_end, mask=ok)
+
+
+@dataclasses.dataclass(frozen=True)
+class SortedPairs:
+    """A batch's pairs sorted by expert: ``order`` [P] (sorted row -> pair t*k + j), ``row_of``
+    [P] (pair -> sorted row), ``remote`` [P] uint8 (another rank's expert), and the grouped GEMMs'
+    tiles of ``block_m`` rows (``tile_expert`` num_local past the last tile), each [max_tiles] int32."""
+
+    order: torch.Tensor
+    row_of: torch.Tensor
+    remote: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_row0: torch.Tensor
+    tile_row_end: torch.Tensor
+    block_m: int
+
+    @property
+    def schedule(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.tile_expert, self.tile_row0, self.tile_row_end
+
+
+def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Tiles the schedule has room for: each expert's last tile may be partial."""
+    return -(-num_pairs // block_m) + min(num_experts, num_pairs)
+
+
+def sort_pairs(ids: torch.Tensor, num_local: int, block_m: int, first_expert: int | None = None) -> SortedPairs:
+    """ids [T, k] global expert ids -> :class:`SortedPairs` for this rank's ``num_local``
+    experts from ``first_expert`` (None: all of them, from 0). At most :data:`MAX_PAIRS` pairs."""
+    check_runnable("moe", _sort_pairs_kernel, ids)
+    flat = ids.reshape(-1)
+    num_pairs = flat.numel()
+    if num_pairs > MAX_PAIRS:
+        raise ValueError(f"mlagraph_triton.moe sort_pairs: ids: expected at most {MAX_PAIRS} (token, slot) pairs, "
+                         f"got {num_pairs}")
+    if flat.stride(0) != 1:
+        flat = flat.contiguous()
+    tiles = max_tiles(num_pairs, num_local, block_m)
+    dev = ids.device
+    order = torch.empty(num_pairs, dtype=torch.int32, device=dev)
+    row_of = torch.empty(num_pairs, dtype=torch.int32, device=dev)
+    remote = torch.empty(num_pairs, dtype=torch.uint8, device=dev)
+    tile = torch.empty(3, tiles, dtype=torch.int32, device=dev)
+    if num_pairs:
+        # expert parallel: one bin past the local ones for another rank's pairs (route gives
+        # only valid ids, so a whole layer's batch needs none)
+        e_pad = triton.next_power_of_2(num_local + (first_expert is not None))
+        # a [CHUNK, E_PAD] one-hot a step: 16K lanes over 8 warps, fewer on CPU (the interpreter)
+        chunk = 16 if interpreted(_sort_pairs_kernel) else max(16, min(256, 16384 // e_pad))
+        _sort_pairs_kernel[(1,)](
+            flat, order, row_of, remote, tile[0], tile[1], tile[2], num_pairs, 0 if first_expert is None else first_expert,
+            num_local, tiles, E_PAD=e_pad, CHUNK=chunk, BLOCK_M=block_m, num_warps=8,
+        )
+    return SortedPairs(order, row_of, remote, tile[0], tile[1], tile[2], block_m)

@@ -1,0 +1,132 @@
+"""mlagraph/ops/triton/moe_sort.py: the one-launch sort of a MoE batch's (token, slot) pairs and
+the grouped GEMMs' tile schedule, against torch's stable argsort and the torch tile schedule
+(grouped_fp8.tile_schedule); then the sorted path built on it (CPU through Triton's interpreter;
+CUDA under -m gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mlagraph.ops.triton  # noqa: F401  (registers mlagraph_triton.*)
+from mlagraph.ops.moe import moe_all_experts, route
+from mlagraph.ops.triton import moe as triton_moe
+from mlagraph.ops.triton.grouped_fp8 import tile_schedule
+from mlagraph.ops.triton.moe_sort import MAX_PAIRS, max_tiles, sort_pairs
+from tests.helpers import NoHostSync, capture_cuda_graph
+from tests.ops.test_moe import FP8_D, FP8_I, ROUTINGS, random_moe_args
+
+
+def _routes(num_tokens: int, top_k: int, num_experts: int, seed: int, skew: bool = False) -> torch.Tensor:
+    """[T, k] distinct expert ids per token; ``skew``: most tokens pick the same few experts
+    (groups of many rows: several tiles an expert)."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, generator=g)
+    if skew:
+        scores[:, :top_k] += 1.0
+    return scores.topk(top_k, dim=1).indices
+
+
+def _oracle(ids: torch.Tensor, num_local: int, block_m: int, first_expert: int | None):
+    """The generic op's sort (torch) and the torch tile schedule."""
+    flat = ids.reshape(-1) - (first_expert or 0)
+    remote = (flat < 0) | (flat >= num_local)
+    keys = flat.masked_fill(remote, num_local)
+    order = torch.argsort(keys, stable=True)
+    counts = torch.zeros(num_local, dtype=torch.long).scatter_add_(0, keys[~remote], torch.ones_like(keys[~remote]))
+    return order, remote, tile_schedule(counts.cumsum(0).int(), flat.numel(), block_m)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m,skew", [
+    (1, 1, 4, 16, False),      # one pair
+    (5, 3, 8, 16, False),      # fewer pairs than a chunk
+    (40, 3, 8, 16, True),      # several chunks, several tiles an expert
+    (33, 6, 64, 16, False),    # V2-Lite's router width, padded bins
+    (21, 4, 12, 4, True),      # experts not a power of two, small tiles
+    (9, 8, 256, 64, False),    # V3's router width, most experts empty
+])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sort_and_schedule_equal_torch(device, num_tokens, top_k, num_experts, block_m, skew, ranks):
+    ids = _routes(num_tokens, top_k, num_experts, seed=num_tokens, skew=skew)
+    local = num_experts // ranks
+    first = None if ranks == 1 else local  # the second rank's shard
+    got = sort_pairs(ids.to(device), local, block_m, first)
+    order, remote, (expert, row0, row_end) = _oracle(ids, local, block_m, first)
+    assert torch.equal(got.order.cpu().long(), order)  # stable: pair order within a group
+    assert torch.equal(got.row_of.cpu().long()[order], torch.arange(order.numel()))
+    assert torch.equal(got.remote.cpu().bool(), remote)
+    tiles = max_tiles(ids.numel(), local, block_m)
+    assert got.tile_expert.shape == (tiles,) == expert.shape
+    real = expert < local
+    assert torch.equal(got.tile_expert.cpu(), torch.where(real, expert, local))  # past the end: local
+    assert torch.equal(got.tile_row0.cpu()[real], row0[real])
+    assert torch.equal(got.tile_row_end.cpu()[real], row_end[real])
+
+
+def test_no_pairs(device):
+    got = sort_pairs(torch.zeros(0, 6, dtype=torch.long, device=device), 64, 16)
+    assert got.order.numel() == 0 and got.tile_expert.numel() == 0
+
+
+def test_too_many_pairs_is_refused():
+    ids = torch.zeros(MAX_PAIRS + 1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"ids: expected at most {MAX_PAIRS} .* got {MAX_PAIRS + 1}"):
+        sort_pairs(ids, 8, 16)
+
+
+def test_sort_reads_nothing_on_the_host(device):
+    ids = _routes(12, 3, 8, seed=1).to(device)
+    sort_pairs(ids, 8, 16)  # compile first
+    with NoHostSync():
+        sort_pairs(ids, 8, 16)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize("num_tokens", [3, 12, 40])
+def test_sorted_path_matches_the_oracle(device, num_tokens, fp8):
+    """The sorted path (sort, gathered gate_up GEMM, silu * up, down GEMM, combine) on float and
+    fp8 experts, whatever path the op itself would take at this size."""
+    args = random_moe_args(num_tokens, 8, FP8_D, FP8_I, ROUTINGS[3], fp8=fp8)
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    weights, ids = route(args[1], *args[4:12])
+    scales = args[12:14] if fp8 else (None, None)
+    got = triton_moe.grouped_triton(args[0], weights, ids, args[2], args[3], None, *scales)
+    want = moe_all_experts(*args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("num_tokens", [32, 256])
+def test_v3_dims_on_the_sorted_path(num_tokens, fp8, whole_gpu_memory):
+    """DeepSeek-V3's MoE layer at T = 32 (1 pair an expert) and 256 (8 an expert: the sorted
+    path's largest), the op (whichever path) and the sorted path forced, against the oracle."""
+    from benchmarks.common import V3_MOE, moe_layer_args
+
+    args = moe_layer_args(num_tokens, device="cuda", fp8=fp8, **V3_MOE)
+    want = moe_all_experts(*args)
+    weights, ids = route(args[1], *args[4:12])
+    scales = args[12:14] if fp8 else (None, None)
+    sorted_path = triton_moe.grouped_triton(args[0], weights, ids, args[2], args[3], None, *scales)
+    for out in (torch.ops.mlagraph_triton.moe(*args), sorted_path):
+        rel = ((out.float() - want.float()).norm() / want.float().norm()).item()
+        assert out.dtype == torch.bfloat16 and rel < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_sorted_path_captures_in_a_cuda_graph(fp8):
+    """Captured once, replayed on new tokens and routes (other groups, other tiles): equal to an
+    eager call."""
+    args = random_moe_args(24, 8, FP8_D, FP8_I, ROUTINGS[3], torch.bfloat16, fp8=fp8)
+    args = tuple(a.to("cuda") if isinstance(a, torch.Tensor) else a for a in args)
+    scales = args[12:14] if fp8 else (None, None)
+
+    def fn():
+        return triton_moe.grouped_triton(args[0], *route(args[1], *args[4:12]), args[2], args[3], None, *scales)
+
+    graph, out = capture_cuda_graph(fn)
+    args[0].copy_(torch.randn_like(args[0]))
+    args[1].copy_(torch.randn_like(args[1]))
+    graph.replay()
+    torch.testing.assert_close(out, fn(), rtol=0, atol=0)
