@@ -137,7 +137,7 @@ def test_grouped_paths_of_an_expert_shard(device, num_tokens, fp8):
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 40])
 def test_grouped_triton_gemm_matches_the_oracle(device, num_tokens):
-    """The generic sort with our Triton grouped GEMM for float experts (a benchmark peer)."""
+    """The sorted path (one-launch sort, our Triton grouped GEMM) on float experts."""
     args = _on(random_moe_args(num_tokens, E, D, I, ROUTINGS[3]), device)
     got = triton_moe.grouped_triton(args[0], *route(args[1], *args[4:12]), args[2], args[3])
     assert _rel(got, moe_all_experts(*args)) < 1e-5
@@ -213,8 +213,8 @@ def test_v3_dims_match_the_oracle(num_tokens, fp8, whole_gpu_memory):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_cuda_graph_capture(fp8):
-    """The op, the pair kernels and (float experts) the grouped Triton path, each captured once
-    and replayed on new tokens and routes: equal to an eager call."""
+    """The op, the pair kernels and (float experts) the sorted path, each captured once and
+    replayed on new tokens and routes: equal to an eager call."""
     args = _on(random_moe_args(2, E, FP8_D, FP8_I, ROUTINGS[3], torch.bfloat16, fp8=fp8), "cuda")
     for fn in (lambda: op(*args), lambda: pairs(args), lambda: triton_moe.grouped_triton(
             args[0], *route(args[1], *args[4:12]), args[2], args[3]) if not fp8 else pairs(args)):
