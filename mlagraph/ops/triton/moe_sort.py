@@ -4,8 +4,9 @@ launch.
 The generic op (:func:`mlagraph.ops.moe._grouped_experts`) sorts with torch: int16 keys, a radix
 argsort, a scatter-add histogram, a cumsum, the row gather, and per GEMM the tile schedule
 (:func:`.grouped_fp8.tile_schedule`: a dozen more small kernels). At decode sizes each of those
-is a launch of a few microseconds that moves a few hundred bytes; about forty of them per MoE
-layer cost more than a tenth of what reading a V2-Lite layer's experts does at batch 32.
+is a launch of a few microseconds that moves a few hundred bytes: about forty of them a MoE
+layer, about 100 us on an H100, a third of the time reading a V2-Lite layer's experts takes at
+batch 32 (benchmarks/kernels.py --only moe, 2026-12-06).
 
 Here one program does all of it, for up to :data:`MAX_PAIRS` pairs (a counting sort: a batch has
 few pairs and an expert id is a small integer):
@@ -21,10 +22,11 @@ few pairs and an expert id is a small integer):
    the prefix sum of tile counts); tiles past the last real one get expert ``num_local``, which
    the GEMM kernel skips.
 
-Outputs, int32: ``order`` [P] (sorted row -> pair), ``row_of`` [P] (pair -> sorted row), and per tile ``tile_expert`` / ``tile_row0`` / ``tile_row_end`` [max_tiles] with
-max_tiles = cdiv(P, BLOCK_M) + min(E, P), the same contract as :func:`.grouped_fp8.tile_schedule`
-(which stays the oracle); ``remote`` [P] uint8, 1 for another rank's pairs (whose rows no GEMM
-writes). Nothing is read on the host: capturable.
+Outputs: ``order`` [P] int32 (sorted row -> pair), ``row_of`` [P] int32 (pair -> sorted row),
+``remote`` [P] uint8 (1 for another rank's pairs, whose rows no GEMM writes), and per tile
+``tile_expert`` / ``tile_row0`` / ``tile_row_end`` [max_tiles] int32 with max_tiles =
+cdiv(P, BLOCK_M) + min(E, P), the same contract as :func:`.grouped_fp8.tile_schedule` (which
+stays the oracle). Nothing is read on the host: capturable.
 """
 
 from __future__ import annotations
