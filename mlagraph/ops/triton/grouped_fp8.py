@@ -120,6 +120,21 @@ def default_config(num_rows: int, num_experts: int, n: int, device, interpreter:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 3}
 
 
+def config_for(num_rows: int, num_experts: int, n: int, device, override: dict | None) -> dict:
+    """:func:`default_config` with ``override``'s keys in its place, checked: unknown keys and
+    tiles that are not powers of two >= 16 raise (BLOCK_M must match the tile schedule's)."""
+    config = default_config(num_rows, num_experts, n, device, interpreted(_grouped_fp8_kernel))
+    unknown = set(override or {}) - set(config)
+    if unknown:
+        raise ValueError(f"grouped GEMM config: unknown keys {sorted(unknown)}; known: {sorted(config)}")
+    config.update(override or {})
+    for key in ("BLOCK_M", "BLOCK_N"):
+        v = config[key]
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"grouped GEMM config: {key} must be a power of two >= 16, got {v}")
+    return config
+
+
 def run_tiles(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, schedule, out_rows: int, config: dict,
               order: torch.Tensor | None = None, top_k: int = 1, quantize_activations: bool = False) -> torch.Tensor:
     """The grouped GEMM over a tile schedule made beforehand ((expert, row0, row_end) per tile, of
@@ -162,8 +177,7 @@ def run_tiles(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, sche
 
 def _grouped(x, w, scale, offs, quantize_activations, config):
     check_runnable("moe", _grouped_fp8_kernel, x, namespace="mlagraph")
-    cfg = default_config(x.shape[0], w.shape[0], w.shape[1], x.device, interpreted(_grouped_fp8_kernel))
-    cfg.update(config or {})
+    cfg = config_for(x.shape[0], w.shape[0], w.shape[1], x.device, config)
     schedule = tile_schedule(offs, x.shape[0], cfg["BLOCK_M"])
     return run_tiles(x, w, scale, schedule, x.shape[0], cfg, quantize_activations=quantize_activations)
 

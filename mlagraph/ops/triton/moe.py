@@ -45,7 +45,7 @@ from .. import moe as _generic
 from ._fp8 import from_fp8_bits
 from ._hardware import interpreted
 from ._launch import check_runnable
-from .grouped_fp8 import default_config as grouped_config
+from .grouped_fp8 import config_for as grouped_config
 from .grouped_fp8 import run_tiles
 from .moe_glue import combine_rows, silu_mul, unsort_combine
 from .moe_sort import MAX_PAIRS, sort_pairs
@@ -209,8 +209,7 @@ def grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert=N
     num_tokens, top_k = ids.shape
     num_local, two_inter = gate_up_proj.shape[:2]
     pairs = num_tokens * top_k
-    cfg = grouped_config(pairs, num_local, two_inter, hidden.device, interpreted(_gate_up_kernel))
-    cfg.update(config or {})
+    cfg = grouped_config(pairs, num_local, two_inter, hidden.device, config)
     sort = sort_pairs(ids, num_local, cfg["BLOCK_M"], first_expert)
     gate_up = run_tiles(hidden, gate_up_proj, gate_up_scale, sort.schedule, pairs, cfg, order=sort.order, top_k=top_k)
     act = silu_mul(gate_up, hidden.dtype)

@@ -130,3 +130,14 @@ def test_sorted_path_captures_in_a_cuda_graph(fp8):
     args[1].copy_(torch.randn_like(args[1]))
     graph.replay()
     torch.testing.assert_close(out, fn(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"BLOCK_Q": 16}, r"unknown keys \['BLOCK_Q'\]"),
+    ({"BLOCK_M": 24}, "BLOCK_M must be a power of two >= 16, got 24"),
+    ({"BLOCK_N": 8}, "BLOCK_N must be a power of two >= 16, got 8"),
+])
+def test_bad_tile_overrides_name_the_key(config, match):
+    args = random_moe_args(3, 8, FP8_D, FP8_I, ROUTINGS[3])
+    with pytest.raises(ValueError, match=match):
+        triton_moe.grouped_triton(args[0], *route(args[1], *args[4:12]), args[2], args[3], config=config)
