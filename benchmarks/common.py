@@ -117,3 +117,22 @@ def moe_floor_bytes(args: tuple) -> tuple[int, int]:
     per_expert = sum(t[0].numel() * t.element_size() for t in (gate_up, down))
     per_expert += sum(s[0].numel() * 4 for s in args[12:] if s is not None)
     return touched * per_expert + 2 * hidden.numel() * hidden.element_size(), touched
+
+
+def torch_sorted_experts(hidden, weights, ids, gate_up_proj, down_proj, first_expert=None, gate_up_scale=None,
+                         down_scale=None, config=None):
+    """The triton backend's sorted MoE path as it was before 2026-12-06, a peer for the one-launch
+    sort (same signature as ``mlagraph.ops.triton.moe.grouped_triton``): the generic op's torch sort
+    (argsort, histogram, row gather; the tile schedule per GEMM) feeding the same grouped GEMM and
+    fused glue."""
+    from mlagraph.ops import moe as generic
+    from mlagraph.ops.triton import grouped_fp8, moe_glue
+
+    def mm(w, scale):
+        if scale is None:
+            return lambda x, offs: grouped_fp8.grouped_float_mm(x, w, offs, config)
+        return lambda x, offs: grouped_fp8.grouped_fp8_mm(x, w, scale, offs, config=config)
+
+    return generic._grouped_experts(hidden, weights, ids, gate_up_proj.shape[0], mm(gate_up_proj, gate_up_scale),
+                                    mm(down_proj, down_scale), first_expert=first_expert,
+                                    activate=moe_glue.silu_mul, combine=moe_glue.unsort_combine)

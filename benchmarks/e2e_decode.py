@@ -53,7 +53,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # last: benchmarks/kernels.py must not shadow the `kernels` package transformers imports
 from common import device_name  # noqa: E402
 
 import mlagraph  # noqa: E402

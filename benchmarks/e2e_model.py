@@ -3,7 +3,7 @@ one DeepSeek-V3 MoE layer at full dimensions against its memory floor.
 
     python benchmarks/e2e_model.py --out DIR [--only ours,hf,v3_layer] [--ckpt DIR] [--prompts 1024,4096]
         [--batches 1,32,128] [--context 1024] [--tokens 1,8,32,128,256,8192] [--iters 10]
-        [--backend triton] [--device cuda] [--smoke]
+        [--backend triton] [--device cuda] [--moe-sort one-launch|torch] [--smoke]
 
 What:
 - ``ckpt``: DeepSeek-V2-Lite's config (27 layers, hidden 2048, 16 heads, kv_lora 512, no
@@ -29,6 +29,10 @@ What:
   to its floor: the bytes of the experts the batch touches at 4.25 TB/s, or its FLOPs at
   690 TFLOP/s (bf16 GEMM, ANCHORS.md), whichever is larger.
 
+--moe-sort torch: the triton backend's sorted MoE path fed by the generic op's torch sort, as it
+was before 2026-12-06 (``common.torch_sorted_experts``), so a second run into another --out on
+the same machine measures what the one-launch sort changed end to end.
+
 --smoke: tiny dims (2 layers, hidden 128, 8 experts) on --device cpu in float32, a few
 iterations: CI proves the script runs (tests/test_e2e_model_bench.py); its numbers mean nothing.
 DIR/e2e_model.json holds every row (a run of some --only parts replaces those parts' rows and
@@ -48,7 +52,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # last: benchmarks/kernels.py must not shadow the `kernels` package transformers imports
 from common import V3_MOE, device_name, median_time, moe_floor_bytes, moe_layer_args  # noqa: E402
 from e2e_decode import fill_latents, time_engine, version  # noqa: E402
 
@@ -166,6 +170,12 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
 
 def run_ours(args, ckpt: str, device, dtype, rows: list, meta: dict) -> DeepseekForCausalLM:
     cuda = device.type == "cuda"
+    if args.moe_sort == "torch":  # every later call of the op (capture included) takes the old sort
+        from common import torch_sorted_experts
+
+        import mlagraph.ops.triton.moe as triton_moe
+
+        triton_moe.grouped_triton = torch_sorted_experts
     t0 = time.perf_counter()
     model = DeepseekForCausalLM.from_pretrained(ckpt, backend=args.backend, dtype=dtype, device=device, progress=False)
     meta["ours_load_s"] = time.perf_counter() - t0
@@ -332,7 +342,8 @@ def tables(data: dict) -> str:
         return format(r[key], fmt) if key in r else r.get("error", "—")[:40]
 
     out = [f"# {data['model']}: {data['device']}, {data['dtype']}, backend {data['backend']}, torch {data['torch']}, "
-           f"transformers {data['transformers']}, {data['date']}", ""]
+           f"transformers {data['transformers']}, {data['date']}"
+           + ("" if data.get("moe_sort", "one-launch") == "one-launch" else ", MoE sorted by torch (as before 12-06)"), ""]
     if "check" in data:
         out += [f"logprobs, mlagraph vs transformers, {data['check']['tokens']} tokens: max |diff| "
                 f"{data['check']['max_abs_diff']:.3g}", ""]
@@ -383,6 +394,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--backend", default="triton")
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--moe-sort", choices=("one-launch", "torch"), default="one-launch",
+                   help="triton backend: the sorted MoE path's sort (torch: as before 2026-12-06)")
     p.add_argument("--smoke", action="store_true", help="tiny dims on CPU in float32 (CI: the script runs)")
     args = p.parse_args(argv)
     only = [x for x in args.only.split(",") if x]
@@ -399,7 +412,8 @@ def main(argv: list[str] | None = None) -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:] if argv is None else list(argv),
             "device": device_name(args.device), "dtype": str(dtype).removeprefix("torch."), "backend": args.backend,
             "torch": torch.__version__, "triton": version("triton"), "transformers": version("transformers"),
-            "prompts": args.prompts, "batches": args.batches, "context": args.context, "rows": []}
+            "prompts": args.prompts, "batches": args.batches, "context": args.context, "moe_sort": args.moe_sort,
+            "rows": []}
     ckpt = args.ckpt or os.path.join(args.out, "ckpt")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "e2e_model.json")

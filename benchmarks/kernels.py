@@ -620,26 +620,21 @@ def bench_moe(rows, args, g):
     experts in turn, as a model reads them: nothing left in L2, and as many pages of memory as
     the model spans) and, with --sweep, tiles; decode sizes are timed as CUDA-graph replays
     (the engine's way)."""
-    from common import V2_LITE_MOE, V3_MOE, moe_floor_bytes, moe_layer_args
+    from common import V2_LITE_MOE, V3_MOE, moe_floor_bytes, moe_layer_args, torch_sorted_experts
 
-    from mlagraph.ops import moe as generic
     from mlagraph.ops.moe import moe_all_experts, route
 
     tm = kernels("moe")
-    glue, grouped = kernels("moe_glue"), kernels("grouped_fp8")
 
     def torch_sorted(a, w=None):
         """The generic op's torch sort + our grouped GEMM (the sorted path before moe_sort)."""
         gu, dn = (a[2], a[3]) if w is None else w
-        gs, ds = a[12], a[13]
-        mm = (lambda wt, sc: (lambda x, offs: grouped.grouped_fp8_mm(x, wt, sc, offs))) if gs is not None else \
-            (lambda wt, sc: (lambda x, offs: grouped.grouped_float_mm(x, wt, offs)))
-        return generic._grouped_experts(a[0], *route(a[1], *a[4:12]), gu.shape[0], mm(gu, gs), mm(dn, ds),
-                                        activate=glue.silu_mul, combine=glue.unsort_combine)
+        return torch_sorted_experts(a[0], *route(a[1], *a[4:12]), gu, dn, None, a[12], a[13])
 
     def sorted_path(a, cfg=None, w=None):
         gu, dn = (a[2], a[3]) if w is None else w
         return tm.grouped_triton(a[0], *route(a[1], *a[4:12]), gu, dn, None, a[12], a[13], config=cfg)
+
     limits = dict(tm.PAIRS_PER_EXPERT_MAX)
 
     def forced_pairs(a):

@@ -66,3 +66,17 @@ def test_decode_floor_counts_touched_experts_and_cache():
     assert one == pytest.approx(others + share * experts + c.hidden_size * 4 + 100 * cache_row)
     many = bench.decode_floor_ms(model, 512, 100) * bench.PEAK_BYTES / 1e3
     assert many == pytest.approx(others + experts + 512 * (c.hidden_size * 4 + 100 * cache_row))
+
+
+def test_moe_sort_torch_runs_the_old_sorted_path(tmp_path, monkeypatch):
+    """--moe-sort torch swaps the triton backend's sorted MoE path for the torch-sorted one (the
+    A/B of the one-launch sort end to end); the run says so in its JSON and table."""
+    import mlagraph.ops.triton.moe as triton_moe
+
+    monkeypatch.setattr(triton_moe, "grouped_triton", triton_moe.grouped_triton)  # restored after the test
+    args = ["--smoke", "--device", "cpu", "--backend", "reference", "--prompts", "16", "--batches", "1",
+            "--context", "16", "--iters", "1", "--only", "ours", "--moe-sort", "torch"]
+    data = bench.main(["--out", str(tmp_path), *args])
+    # the script imports benchmarks/common.py as ``common``: another module object than ours
+    assert triton_moe.grouped_triton.__name__ == "torch_sorted_experts" and data["moe_sort"] == "torch"
+    assert "MoE sorted by torch" in (tmp_path / "e2e_model.md").read_text()

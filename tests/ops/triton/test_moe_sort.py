@@ -141,3 +141,18 @@ def test_bad_tile_overrides_name_the_key(config, match):
     args = random_moe_args(3, 8, FP8_D, FP8_I, ROUTINGS[3])
     with pytest.raises(ValueError, match=match):
         triton_moe.grouped_triton(args[0], *route(args[1], *args[4:12]), args[2], args[3], config=config)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+def test_the_torch_sorted_peer_equals_the_sorted_path(device, fp8):
+    """benchmarks' peer for the one-launch sort (the torch sort feeding the same grouped GEMM,
+    ``--moe-sort torch``) computes the same layer."""
+    from benchmarks.common import torch_sorted_experts
+
+    args = random_moe_args(12, 8, FP8_D, FP8_I, ROUTINGS[3], fp8=fp8)
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    weights, ids = route(args[1], *args[4:12])
+    scales = args[12:14] if fp8 else (None, None)
+    want = triton_moe.grouped_triton(args[0], weights, ids, args[2], args[3], None, *scales)
+    got = torch_sorted_experts(args[0], weights, ids, args[2], args[3], None, *scales)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
