@@ -57,8 +57,8 @@ from .route import route
 # (T=8: 972 vs 874). 2026-12-06, H100 (the sorted path with its one-launch sort, bf16): the pair
 # kernels win at 0.09 a expert (V2-Lite T=1: 47 vs 68 us), tie at 0.5 (V3 T=16: 2798 vs 2794) and
 # lose at 1 (V3 T=32: 4577 vs 4296) and 1.5 (V2-Lite T=16: 342 vs 315); the sorted path beats the
-# generic op's F.grouped_mm up to the 24 a expert measured (V2-Lite T=256: 478 vs 491 us; T=128:
-# 439 vs 536) and the torch sort feeding the same GEMM by about 100 us a V2-Lite layer.
+# generic path (torch sort, F.grouped_mm, our fused glue) up to the 24 a expert measured (V2-Lite
+# T=256: 478 vs 491 us) and the torch sort feeding the same GEMM by about 100 us a V2-Lite layer.
 PAIRS_PER_EXPERT_MAX = {"bf16": 0.75, "fp8": 0.125}
 # Our sorted path up to here (bf16 and fp8 experts), the generic op's past it: F.grouped_mm for bf16,
 # the same grouped fp8 kernel behind a torch sort for fp8 (W8A8 from 64 rows an expert).
