@@ -209,11 +209,14 @@ def grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert=N
     num_tokens, top_k = ids.shape
     num_local, two_inter = gate_up_proj.shape[:2]
     pairs = num_tokens * top_k
-    cfg = grouped_config(pairs, num_local, two_inter, hidden.device, config)
-    sort = sort_pairs(ids, num_local, cfg["BLOCK_M"], first_expert)
-    gate_up = run_tiles(hidden, gate_up_proj, gate_up_scale, sort.schedule, pairs, cfg, order=sort.order, top_k=top_k)
+    # one schedule (BLOCK_M rows a tile) for both GEMMs; BLOCK_N from each GEMM's own width
+    up_cfg = grouped_config(pairs, num_local, two_inter, hidden.device, config)
+    down_cfg = grouped_config(pairs, num_local, down_proj.shape[1], hidden.device, config)
+    sort = sort_pairs(ids, num_local, up_cfg["BLOCK_M"], first_expert)
+    gate_up = run_tiles(hidden, gate_up_proj, gate_up_scale, sort.schedule, pairs, up_cfg, order=sort.order,
+                        top_k=top_k)
     act = silu_mul(gate_up, hidden.dtype)
-    y = run_tiles(act, down_proj, down_scale, sort.schedule, pairs, cfg)
+    y = run_tiles(act, down_proj, down_scale, sort.schedule, pairs, down_cfg)
     return combine_rows(y, sort.row_of, weights, sort.remote if first_expert is not None else None, hidden.dtype)
 
 
