@@ -626,14 +626,14 @@ def bench_moe(rows, args, g):
 
     tm = kernels("moe")
 
-    def torch_sorted(a, w=None):
-        """The generic op's torch sort + our grouped GEMM (the sorted path before moe_sort)."""
+    def sorted_path(a, cfg=None, w=None, path=tm.grouped_triton):
+        """Our sorted path on moe's arguments (``w``: other experts); ``path=torch_sorted_experts``:
+        the same GEMM behind the generic op's torch sort (the sorted path before moe_sort)."""
         gu, dn = (a[2], a[3]) if w is None else w
-        return torch_sorted_experts(a[0], *route(a[1], *a[4:12]), gu, dn, None, a[12], a[13])
+        return path(a[0], *route(a[1], *a[4:12]), gu, dn, None, a[12], a[13], config=cfg)
 
-    def sorted_path(a, cfg=None, w=None):
-        gu, dn = (a[2], a[3]) if w is None else w
-        return tm.grouped_triton(a[0], *route(a[1], *a[4:12]), gu, dn, None, a[12], a[13], config=cfg)
+    def torch_sorted(a, w=None):
+        return sorted_path(a, w=w, path=torch_sorted_experts)
 
     limits = dict(tm.PAIRS_PER_EXPERT_MAX)
 
