@@ -9,7 +9,8 @@
 # Setup: the carried packages (.carry/, built by the project's gpu-carry tool) when present,
 # else wheels in .whl/. Tests run with -v, so a run cut by its timeout still lists every test
 # that finished. Knobs: NPROC (xdist workers, 8), T1 (whole pytest run, s, 400), TT (one test, s,
-# 300), BENCH_TIMEOUT (s, 500).
+# 300), BENCH_TIMEOUT (s, 500), RERUN (0: no
+# serial rerun of failures), T2 (that rerun, s, 200).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -30,6 +31,15 @@ if [ ${#tests[@]} -gt 0 ]; then
   echo "pytest rc=$? ($name)"
   grep -E "^(FAILED|ERROR)| passed| failed" "$OUT/$name.log" | sort -u | tail -40
   echo "PASSED lines: $(grep -c PASSED "$OUT/$name.log")"
+  # Tests that failed beside many workers (out of memory on an 80 GB card, say) run again alone,
+  # so the log tells a crowded card from a real failure.
+  failed=$(grep -E "^(FAILED|ERROR) " "$OUT/$name.log" | awk '{print $2}' | sort -u)
+  if [ -n "$failed" ] && [ "${RERUN:-1}" = 1 ]; then
+    timeout "${T2:-200}" python3 -m pytest -m gpu -n 0 -v -rfE -p no:cacheprovider --tb=short \
+      "${per_test[@]}" $failed >"$OUT/$name-rerun.log" 2>&1
+    echo "rerun alone rc=$? ($(echo "$failed" | wc -l) tests)"
+    grep -E "^(FAILED|ERROR)| passed| failed" "$OUT/$name-rerun.log" | sort -u | tail -20
+  fi
 fi
 if [ $# -gt 0 ]; then
   timeout "${BENCH_TIMEOUT:-500}" python3 "$@" >"$OUT/bench.txt" 2>&1

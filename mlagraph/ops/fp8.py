@@ -45,8 +45,24 @@ def check_block_scaled(op: str, w_arg: str, w, s_arg: str, s, *, shape, device) 
     check_tensor(op, s_arg, s, shape=(*lead, *block_grid(n, k)), dtypes=(torch.float32,), device=device)
 
 
+# An expert stack dequantizes a few experts at a time so that its float32 temporaries (the
+# widened bytes and the expanded scales) stay near this many elements each: done whole, all 256
+# of DeepSeek-V3's gate_up experts would need two 28 GiB temporaries beside the result.
+DEQUANTIZE_CHUNK_ELEMS = 1 << 27
+
+
 def dequantize_blockwise(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """e4m3 [..., N, K] times its 128x128 block scales [..., ceil(N/128), ceil(K/128)] -> dtype."""
+    if w.dim() == 3 and w.shape[0] > 1 and w.numel() > DEQUANTIZE_CHUNK_ELEMS:
+        per = max(1, DEQUANTIZE_CHUNK_ELEMS // (w.shape[1] * w.shape[2]))
+        out = torch.empty(w.shape, dtype=dtype, device=w.device)
+        for e in range(0, w.shape[0], per):
+            out[e : e + per] = _dequantize(w[e : e + per], scale[e : e + per], dtype)
+        return out
+    return _dequantize(w, scale, dtype)
+
+
+def _dequantize(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     n, k = w.shape[-2:]
     s = scale.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :].repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]
     return (w.float() * s).to(dtype)

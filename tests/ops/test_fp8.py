@@ -47,6 +47,20 @@ def test_quantize_blockwise_round_trip(shape):
     assert q.float().abs().max() == 448.0
 
 
+@pytest.mark.parametrize("chunk", [1, 160 * 272, 3 * 160 * 272 - 1])  # an expert, exactly one, two a chunk
+def test_expert_stacks_dequantize_in_chunks(monkeypatch, chunk):
+    """A stack of experts [E, N, K] past DEQUANTIZE_CHUNK_ELEMS dequantizes a few experts at a
+    time (V3's 256 experts whole would need 28 GiB temporaries): the same values as one by one."""
+    import mlagraph.ops.fp8 as fp8
+
+    q, scale = quantize_blockwise(torch.randn(5, 272, 160))
+    monkeypatch.setattr(fp8, "DEQUANTIZE_CHUNK_ELEMS", chunk)
+    got = dequantize_blockwise(q, scale, torch.bfloat16)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    for e in range(5):
+        torch.testing.assert_close(got[e].double(), _blockwise_loop(q[e], scale[e]).bfloat16().double(), rtol=0, atol=0)
+
+
 def test_quantize_1x128_round_trip():
     x = torch.randn(5, 384) * torch.tensor([0.01, 1.0, 30.0]).repeat_interleave(128)
     q, scale = quantize_1x128(x)
