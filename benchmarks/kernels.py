@@ -635,6 +635,16 @@ def bench_moe(rows, args, g):
     def torch_sorted(a, w=None):
         return sorted_path(a, w=w, path=torch_sorted_experts)
 
+    def generic_torch_sort(a):
+        """The triton op's prefill path as it was before its sort (torch's argsort, histogram,
+        cumsum and inverse permutation feeding F.grouped_mm and the fused glue)."""
+        from mlagraph.ops import moe as generic
+
+        glue = kernels("moe_glue")
+        weights, ids = tm.route(a[1], *a[4:12])
+        return generic.routed_grouped(a[0], weights, ids, a[2], a[3], a[12], a[13], a[1].shape[1],
+                                      activate=glue.silu_mul, combine=glue.unsort_combine)
+
     limits = dict(tm.PAIRS_PER_EXPERT_MAX)
 
     def forced_pairs(a):
@@ -683,12 +693,13 @@ def bench_moe(rows, args, g):
 
             variant("grouped-fp8" if fp8 else "grouped", lambda a=a: REF.moe(*a))
             variant("triton", lambda a=a: OURS.moe(*a))
+            if not decode:  # the triton op's prefill path behind torch's sort, as it was before 12-06
+                variant("triton-generic, torch sort", lambda a=a: generic_torch_sort(a))
             if decode:
                 variant("triton-pairs", lambda a=a: forced_pairs(a))
-                if t * dims["top_k"] <= kernels("moe_sort").MAX_PAIRS:
-                    variant("triton-sorted", lambda a=a: sorted_path(a))
+                variant("triton-sorted", lambda a=a: sorted_path(a))
                 variant("triton-grouped, torch sort", lambda a=a: torch_sorted(a))
-                if args.sweep and t >= 32 and t * dims["top_k"] <= kernels("moe_sort").MAX_PAIRS:
+                if args.sweep and t >= 32:
                     for cfg in grouped_cfgs:
                         variant("triton-sorted:" + ",".join(f"{k}={v}" for k, v in cfg.items()),
                                 lambda a=a, cfg=cfg: sorted_path(a, cfg))

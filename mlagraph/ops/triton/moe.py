@@ -28,7 +28,7 @@ Bigger batches sort the rows by expert (tensor-core GEMMs): up to
 :data:`TRITON_GROUPED_PER_EXPERT_MAX` rows an expert in five launches of ours
 (:func:`grouped_triton`: the sort and tile schedule in one, :mod:`.moe_sort`; our grouped GEMM,
 :mod:`.grouped_fp8`, reading each row's token in place), past it (prefill) with the generic
-op's torch sort and GEMMs. :func:`path_for` decides, from shapes only. Both sorted paths take the
+op's GEMMs behind the same sort, blocked (:func:`sorted_generic`). :func:`path_for` decides, from shapes only. Both sorted paths take the
 fused glue of :mod:`.moe_glue` (silu * up between the GEMMs, unsort + weighted sum after them).
 Routing, on every path, is one launch (:func:`.route.route`: the generic op's choice of experts
 up to ties, in place of its five to twelve torch kernels; V3's grouped router took 43.7 us a layer
@@ -48,7 +48,7 @@ from ._launch import check_runnable
 from .grouped_fp8 import config_for as grouped_config
 from .grouped_fp8 import run_tiles
 from .moe_glue import combine_rows, silu_mul, unsort_combine
-from .moe_sort import MAX_PAIRS, sort_pairs
+from .moe_sort import ONE_PROGRAM_MAX_PAIRS, sort_pairs
 from .route import route
 
 # Where each path pays, in (token, expert) pairs per expert of the layer (T * top_k / E).
@@ -189,12 +189,12 @@ def default_config(pairs: int, fp8: bool) -> dict:
 
 def path_for(num_tokens: int, top_k: int, num_experts: int, fp8: bool) -> str:
     """Which implementation takes a call: ``"pairs"`` (the kernels above), ``"triton_grouped"``
-    (:func:`grouped_triton`) or ``"generic"`` (the generic op's grouped path: F.grouped_mm, or
-    the grouped fp8 kernel behind a torch sort). ``num_experts``: the router's E."""
+    (:func:`grouped_triton`) or ``"generic"`` (:func:`sorted_generic`: F.grouped_mm, or the
+    grouped fp8 kernel, behind our sort). ``num_experts``: the router's E."""
     per_expert = num_tokens * top_k / num_experts
     if per_expert <= PAIRS_PER_EXPERT_MAX["fp8" if fp8 else "bf16"] or num_tokens * top_k <= 1:
         return "pairs"
-    if per_expert <= TRITON_GROUPED_PER_EXPERT_MAX and num_tokens * top_k <= MAX_PAIRS:
+    if per_expert <= TRITON_GROUPED_PER_EXPERT_MAX and num_tokens * top_k <= ONE_PROGRAM_MAX_PAIRS:
         return "triton_grouped"
     return "generic"
 
@@ -217,6 +217,28 @@ def grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert=N
                         top_k=top_k)
     act = silu_mul(gate_up, hidden.dtype)
     y = run_tiles(act, down_proj, down_scale, sort.schedule, pairs, down_cfg)
+    return combine_rows(y, sort.row_of, weights, sort.remote if first_expert is not None else None, hidden.dtype)
+
+
+def sorted_generic(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, num_routed,
+                   first_expert=None) -> torch.Tensor:
+    """The generic op's grouped path (``F.grouped_mm`` for bf16 experts, the grouped fp8 kernel
+    for fp8 ones) behind our sort in place of torch's: :func:`.moe_sort.sort_pairs` gives the
+    rows' order, the group ends the GEMMs take, and each pair's row for the combine, in one to
+    three launches where torch's sort takes about ten (a stable radix argsort whose host side
+    alone took about 100 us a layer in a profiled 1K-token V2-Lite prefill on the H200, a
+    histogram, a cumsum, the inverse permutation). Same rows, same order, same GEMMs: the
+    generic path's result. Where the generic op has no grouped GEMM (CUDA float32) it runs as is."""
+    gemms = _generic._grouped_gemms(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
+    if gemms is None:
+        return _generic.routed_grouped(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale,
+                                       num_routed, first_expert, activate=silu_mul, combine=unsort_combine)
+    gate_up_mm, down_mm = gemms
+    top_k = ids.shape[1]
+    # block_m only shapes the tile schedule, which these GEMMs do not read
+    sort = sort_pairs(ids, gate_up_proj.shape[0], 64, first_expert)
+    x = hidden.index_select(0, sort.order // top_k)  # [T*k, D], sorted rows
+    y = down_mm(silu_mul(gate_up_mm(x, sort.group_end), hidden.dtype), sort.group_end)
     return combine_rows(y, sort.row_of, weights, sort.remote if first_expert is not None else None, hidden.dtype)
 
 
@@ -285,5 +307,5 @@ def moe(hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias,
         return routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, first_expert)
     if path == "triton_grouped":
         return grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert, gate_up_scale, down_scale)
-    return _generic.routed_grouped(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale,
-                                   router_logits.shape[1], first_expert, activate=silu_mul, combine=unsort_combine)
+    return sorted_generic(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale,
+                          router_logits.shape[1], first_expert)

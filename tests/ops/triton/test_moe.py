@@ -62,9 +62,10 @@ def test_pair_kernels_match_a_float64_loop(device):
 def test_each_batch_size_takes_its_path(device, monkeypatch, num_tokens, fp8):
     """Pairs per expert (T * top_k / E) pick the path: the pair kernels up to
     PAIRS_PER_EXPERT_MAX, then our sorted path (one-launch sort, our grouped GEMM) up to
-    TRITON_GROUPED_PER_EXPERT_MAX, then the generic op's grouped path. Each equals the oracle."""
+    TRITON_GROUPED_PER_EXPERT_MAX, then the generic op's grouped GEMMs behind our sort. Each
+    equals the oracle."""
     calls = []
-    for name in ("routed_experts", "grouped_triton"):
+    for name in ("routed_experts", "grouped_triton", "sorted_generic"):
         real = getattr(triton_moe, name)
         monkeypatch.setattr(triton_moe, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     d, i = (FP8_D, FP8_I) if fp8 else (D, I)
@@ -77,11 +78,11 @@ def test_each_batch_size_takes_its_path(device, monkeypatch, num_tokens, fp8):
     elif per_expert <= triton_moe.TRITON_GROUPED_PER_EXPERT_MAX:
         want = ["grouped_triton"]
     else:
-        want = []
+        want = ["sorted_generic"]
     assert calls == want
     assert triton_moe.path_for(num_tokens, args[5], E, fp8) == {"routed_experts": "pairs",
-                                                                "grouped_triton": "triton_grouped"}.get(
-        (want or ["generic"])[0], "generic")
+                                                                "grouped_triton": "triton_grouped",
+                                                                "sorted_generic": "generic"}[want[0]]
     torch.testing.assert_close(out, moe_all_experts(*args), rtol=1e-5, atol=1e-5 * moe_all_experts(*args).abs().max().item())
 
 
@@ -121,8 +122,25 @@ def test_expert_shards_sum_to_the_whole_layer(device, ranks, fp8):
     torch.testing.assert_close(sum(shares), pairs(args), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("first_expert", [None, 4])
+def test_sorted_generic_equals_the_generic_path(device, first_expert):
+    """Prefill: our sort in place of torch's changes nothing downstream (same rows in the same
+    order, same group ends, same GEMMs and glue): equal to the generic path bit for bit."""
+    from mlagraph.ops import moe as generic
+    from mlagraph.ops.triton import moe_glue
+
+    args = list(_on(random_moe_args(90, E, D, I, ROUTINGS[3]), device))
+    if first_expert is not None:
+        args[2], args[3] = args[2][first_expert:].contiguous(), args[3][first_expert:].contiguous()
+    weights, ids = route(args[1], *args[4:12])
+    got = triton_moe.sorted_generic(args[0], weights, ids, args[2], args[3], None, None, E, first_expert)
+    want = generic.routed_grouped(args[0], weights, ids, args[2], args[3], None, None, E, first_expert,
+                                  activate=moe_glue.silu_mul, combine=moe_glue.unsort_combine)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
-@pytest.mark.parametrize("num_tokens", [22, 40])
+@pytest.mark.parametrize("num_tokens", [22, 40, 90])  # 90: past TRITON_GROUPED_PER_EXPERT_MAX
 def test_grouped_paths_of_an_expert_shard(device, num_tokens, fp8):
     """Expert parallel on the sorted paths (our grouped GEMM, the generic one) with the fused
     glue: the rows of another rank's experts, which the GEMMs leave unwritten, add nothing."""

@@ -12,7 +12,7 @@ import mlagraph.ops.triton  # noqa: F401  (registers mlagraph_triton.*)
 from mlagraph.ops.moe import moe_all_experts, route
 from mlagraph.ops.triton import moe as triton_moe
 from mlagraph.ops.triton.grouped_fp8 import tile_schedule
-from mlagraph.ops.triton.moe_sort import MAX_PAIRS, max_tiles, sort_pairs
+from mlagraph.ops.triton.moe_sort import ONE_PROGRAM_MAX_PAIRS, max_tiles, sort_pairs
 from tests.helpers import NoHostSync, capture_cuda_graph
 from tests.ops.test_moe import FP8_D, FP8_I, ROUTINGS, random_moe_args
 
@@ -37,24 +37,24 @@ def _oracle(ids: torch.Tensor, num_local: int, block_m: int, first_expert: int |
     return order, remote, tile_schedule(counts.cumsum(0).int(), flat.numel(), block_m)
 
 
-@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m,skew", [
+SORT_CASES = [
     (1, 1, 4, 16, False),      # one pair
     (5, 3, 8, 16, False),      # fewer pairs than a chunk
     (40, 3, 8, 16, True),      # several chunks, several tiles an expert
     (33, 6, 64, 16, False),    # V2-Lite's router width, padded bins
     (21, 4, 12, 4, True),      # experts not a power of two, small tiles
     (9, 8, 256, 64, False),    # V3's router width, most experts empty
-])
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_sort_and_schedule_equal_torch(device, num_tokens, top_k, num_experts, block_m, skew, ranks):
-    ids = _routes(num_tokens, top_k, num_experts, seed=num_tokens, skew=skew)
-    local = num_experts // ranks
-    first = None if ranks == 1 else local  # the second rank's shard
-    got = sort_pairs(ids.to(device), local, block_m, first)
+]
+
+
+def _check_sort(got, ids, local, block_m, first):
     order, remote, (expert, row0, row_end) = _oracle(ids, local, block_m, first)
     assert torch.equal(got.order.cpu().long(), order)  # stable: pair order within a group
     assert torch.equal(got.row_of.cpu().long()[order], torch.arange(order.numel()))
     assert torch.equal(got.remote.cpu().bool(), remote)
+    keys = ids.reshape(-1) - (first or 0)
+    counts = torch.stack([(keys == e).sum() for e in range(local)]) if local else torch.zeros(0)
+    assert torch.equal(got.group_end.cpu().long(), counts.cumsum(0))  # F.grouped_mm's offs
     tiles = max_tiles(ids.numel(), local, block_m)
     assert got.tile_expert.shape == (tiles,) == expert.shape
     real = expert < local
@@ -63,15 +63,44 @@ def test_sort_and_schedule_equal_torch(device, num_tokens, top_k, num_experts, b
     assert torch.equal(got.tile_row_end.cpu()[real], row_end[real])
 
 
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m,skew", SORT_CASES)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sort_and_schedule_equal_torch(device, num_tokens, top_k, num_experts, block_m, skew, ranks):
+    ids = _routes(num_tokens, top_k, num_experts, seed=num_tokens, skew=skew)
+    local = num_experts // ranks
+    first = None if ranks == 1 else local  # the second rank's shard
+    _check_sort(sort_pairs(ids.to(device), local, block_m, first), ids, local, block_m, first)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m,skew", SORT_CASES[2:])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_blocked_sort_equals_torch(device, num_tokens, top_k, num_experts, block_m, skew, ranks):
+    """The prefill form (counts per block, the blocks' first rows, placement per block), forced
+    at small sizes with 16 or 32 pairs a block: several blocks, a last one partly filled."""
+    ids = _routes(num_tokens, top_k, num_experts, seed=num_tokens, skew=skew)
+    local = num_experts // ranks
+    first = None if ranks == 1 else local
+    for block_pairs in (16, 32):
+        _check_sort(sort_pairs(ids.to(device), local, block_m, first, block_pairs=block_pairs), ids, local,
+                    block_m, first)
+
+
 def test_no_pairs(device):
     got = sort_pairs(torch.zeros(0, 6, dtype=torch.long, device=device), 64, 16)
     assert got.order.numel() == 0 and got.tile_expert.numel() == 0
+    assert torch.equal(got.group_end.cpu(), torch.zeros(64, dtype=torch.int32))
 
 
-def test_too_many_pairs_is_refused():
-    ids = torch.zeros(MAX_PAIRS + 1, 1, dtype=torch.long)
-    with pytest.raises(ValueError, match=rf"ids: expected at most {MAX_PAIRS} .* got {MAX_PAIRS + 1}"):
-        sort_pairs(ids, 8, 16)
+def test_past_one_program_the_sort_is_blocked(device):
+    """A prefill's pairs (more than ONE_PROGRAM_MAX_PAIRS) take the blocked sort by default."""
+    ids = _routes(ONE_PROGRAM_MAX_PAIRS // 2 + 3, 2, 8, seed=3)
+    _check_sort(sort_pairs(ids.to(device), 8, 64), ids, 8, 64, None)
+
+
+@pytest.mark.parametrize("block_pairs", [0, 8, 24, 16.0])
+def test_bad_block_pairs(block_pairs):
+    with pytest.raises(ValueError, match=rf"block_pairs: expected a power of two >= 16, got {block_pairs!r}"):
+        sort_pairs(torch.zeros(4, 2, dtype=torch.long), 8, 16, block_pairs=block_pairs)
 
 
 def test_sort_reads_nothing_on_the_host(device):
@@ -79,6 +108,25 @@ def test_sort_reads_nothing_on_the_host(device):
     sort_pairs(ids, 8, 16)  # compile first
     with NoHostSync():
         sort_pairs(ids, 8, 16)
+
+
+def test_blocked_sort_reads_nothing_on_the_host(device):
+    ids = _routes(12, 3, 8, seed=1).to(device)
+    sort_pairs(ids, 8, 16, block_pairs=16)  # compile first
+    with NoHostSync():
+        sort_pairs(ids, 8, 16, block_pairs=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(2048, 8, 256), (1024, 6, 64), (4096, 6, 64)])
+@pytest.mark.parametrize("ranks", [1, 8])
+def test_prefill_sizes_sort_like_torch(num_tokens, top_k, num_experts, ranks):
+    """Prefill batches (V3 at 2K tokens: 16K pairs; V2-Lite at 1K and 4K) on the GPU: the
+    blocked sort, in BLOCK_PAIRS blocks, against torch; an expert shard's too."""
+    ids = _routes(num_tokens, top_k, num_experts, seed=num_tokens, skew=True)
+    local = num_experts // ranks
+    first = None if ranks == 1 else 3 * local
+    _check_sort(sort_pairs(ids.cuda(), local, 64, first), ids, local, 64, first)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
