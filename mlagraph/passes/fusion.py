@@ -184,6 +184,14 @@ def eliminate_concat(graph: fx.Graph, backend: Backend) -> dict[int | None, int]
                 q.meta["val"] = q_pe_val.new_empty(q_pe_val.shape)
                 fused_node.meta["val"] = (q.meta["val"], *vals[1:])
         for u, (start, _) in zip(slices, bounds):
+            for consumer in forward_through_views(u):
+                if op_is_split_q_consumer(consumer, backend):
+                    # Inductor lays a custom op's inputs out as they were when the graph was
+                    # traced (its "eager_input_vals": here, slices of the cat, 576 wide), so
+                    # it would copy both halves into a fresh cat-shaped buffer before the op
+                    # and undo this pass. Without that record it passes the halves as they
+                    # are; the split-q ops read their inputs through their strides.
+                    consumer.meta.pop("eager_input_vals", None)
             u.replace_all_uses_with(latent if start == 0 else rope_half)
         _count(counts, layer_of(fused_node or q))
     graph.eliminate_dead_code()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import warnings
 
 import pytest
@@ -143,6 +144,32 @@ def test_compile_fullgraph_and_warns_when_fusion_cannot_match():
         warnings.simplefilter("always")
         fn(*args)
     assert any("matched in no layer" in str(w.message) for w in seen)
+
+
+def test_decode_reads_the_absorbed_q_in_place():
+    """eliminate_concat hands the decode op q's two halves without the cat; Inductor must not
+    copy them back into a cat-shaped buffer because the traced graph had one (the op's recorded
+    eager input layout): no kernel of Inductor's code is a copy made for mla_decode, and the
+    compiled step equals eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = _one_layer()
+    caps = model.backend.capabilities
+    caches = model.allocate_caches(16, 4)
+    prefill = build_batch(caps, [[1, 2, 3], [4, 5]], [0, 0], [[0], [1]], 4)
+    decode = build_batch(caps, [[6], [7]], [3, 2], [[0], [1]], 4, is_decode=[True, True])
+    with torch.no_grad():
+        model(prefill, caches)
+        eager = model(decode, caches)  # writes the decode tokens' rows; the compiled step rewrites the same
+        torch._dynamo.reset()
+        compiled = mlagraph.compile(model, backend="mlagraph", fullgraph=True, regional=False)
+        out, codes = run_and_get_code(compiled, decode, caches)
+    assert [r.pass_name for r in mlagraph.passes.last_report()] == ["fuse_rope_concat_cache", "eliminate_concat"]
+    code = "\n".join(codes)
+    assert "mla_decode.default(" in code
+    copies = sorted(set(re.findall(r"\b(\w*fused\w*mla_decode\w*)\(", code)))
+    assert not copies, f"Inductor copies mla_decode's inputs: {copies}"
+    torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("variant", ["dense", "split"])

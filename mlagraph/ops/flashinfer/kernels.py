@@ -100,8 +100,10 @@ def mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, sof
            lat, kv_cache.shape[1], q_nope.dtype, float(softmax_scale))
     plan = host_plan.plan(key, lambda _s: _MlaPlan(fi, q_nope, kv_cache, block_table, seq_lens, softmax_scale),
                           _MlaPlan.refresh)
+    # The compiled graph may hand q's halves over as views of other buffers (eliminate_concat
+    # lets Inductor pass them as they are); fa3 gets them dense, as it always did.
     out, lse = plan.wrapper.run(
-        query=(q_nope.reshape(batch * s_q, heads, lat), q_pe.reshape(batch * s_q, heads, -1)),
+        query=(q_nope.reshape(batch * s_q, heads, lat).contiguous(), q_pe.reshape(batch * s_q, heads, -1).contiguous()),
         kv_cache=(kv_cache[..., :lat], kv_cache[..., lat:]), return_lse=True, return_lse_base_on_e=True)
     return mask_empty(out.view(batch, s_q, heads, lat), lse.view(batch, s_q, heads), plan.empty)
 
