@@ -14,8 +14,9 @@ of at most :data:`PAIRS_PER_EXPERT_MAX` pairs per expert:
    stored in hidden's dtype: act [pairs, I].
 2. ``_down_kernel``, grid (pairs, cdiv(D, BLOCK_N)): y[p] = down_e @ act[p], rounded to
    hidden's dtype, stored as float32 [pairs, D].
-3. ``_combine_kernel``, grid (T, cdiv(D, BLOCK_D)): out[t] = sum_j weight[t, j] * y[t*k + j]
-   in float32 (slot order), stored in hidden's dtype: no atomics, the same sum every run.
+3. the sorted paths' combine (:func:`.moe_glue.combine_rows`, y's rows in pair order): out[t] =
+   sum_j weight[t, j] * y[t*k + j] in float32 (slot order), stored in hidden's dtype: no
+   atomics, the same sum every run.
 
 Each program is a GEMV over one pair's expert: its tile of weight rows is read once, as stored
 (fp8 experts as e4m3 bytes, times their 128x128 block scales, rounded to hidden's dtype: the
@@ -151,24 +152,6 @@ def _down_kernel(
         tl.store(y_ptr + p.to(tl.int64) * stride_yt + cols, y, mask=col_ok)
 
 
-@triton.jit
-def _combine_kernel(
-    y_ptr, weights_ptr, ids_ptr, out_ptr, D, first_expert, num_local, stride_yt, stride_ot,
-    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_ok = cols < D
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for j in tl.static_range(TOP_K):
-        p = t * TOP_K + j
-        _, here = _expert_of(ids_ptr, p, first_expert, num_local)
-        if here:  # another rank's expert adds nothing here (its y row was never written)
-            w = tl.load(weights_ptr + p)
-            acc += w * tl.load(y_ptr + p.to(tl.int64) * stride_yt + cols, mask=col_ok, other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
 def default_config(pairs: int, fp8: bool) -> dict:
     """Tiles from shapes only (no autotuning: nothing is timed at a call or during capture), from
     the H200 sweeps (benchmarks/kernels.py --only moe --sweep, 2026-12-04; CUDA-graph replays).
@@ -263,12 +246,10 @@ def routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale,
     kc = min(block_k, SCALE_BLOCK) if fp8 else block_k
     kb = block_k // kc
     pairs = num_tokens * top_k
-    out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
     if pairs == 0:
-        return out
+        return torch.empty_like(hidden, memory_format=torch.contiguous_format)
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     flat_ids = ids.reshape(-1).contiguous()
-    flat_w = weights.reshape(-1).float().contiguous()
     w1 = gate_up_proj.view(torch.uint8) if fp8 else gate_up_proj
     w2 = down_proj.view(torch.uint8) if fp8 else down_proj
     s1 = gate_up_scale if fp8 else w1.new_empty((1, 1, 1), dtype=torch.float32)
@@ -286,12 +267,9 @@ def routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale,
         act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
         FP8=fp8, BLOCK_N=block_n, KB=kb, KC=kc, num_warps=warps,
     )
-    block_d = 1024 if not interpreted(_combine_kernel) else 32
-    _combine_kernel[(num_tokens, triton.cdiv(dim, block_d))](
-        y, flat_w, flat_ids, out, dim, first, num_local, y.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_D=block_d, num_warps=4,
-    )
-    return out
+    # y's rows are the pairs in order; with expert shards the ids tell this rank's pairs
+    return combine_rows(y, None, weights, None, hidden.dtype, flat_ids if first_expert is not None else None,
+                        first, num_local)
 
 
 def moe(hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,

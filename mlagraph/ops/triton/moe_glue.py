@@ -33,21 +33,31 @@ def _silu_mul_kernel(gate_up_ptr, act_ptr, I, stride_g, stride_a, BLOCK: tl.cons
 
 
 @triton.jit
-def _unsort_combine_kernel(y_ptr, row_of_ptr, weights_ptr, remote_ptr, out_ptr, D, stride_y, stride_o,
-                           TOP_K: tl.constexpr, HAS_REMOTE: tl.constexpr, BLOCK_D: tl.constexpr):
+def _unsort_combine_kernel(y_ptr, row_of_ptr, weights_ptr, remote_ptr, out_ptr, D, first_expert, num_local,
+                           stride_y, stride_o, TOP_K: tl.constexpr, ROWS_IN_ORDER: tl.constexpr,
+                           REMOTE: tl.constexpr, BLOCK_D: tl.constexpr):
     """Token t, columns [c*BLOCK_D, ...): out[t] = sum over slots j, in order, of
-    weight[t, j] * y[row_of[t*k + j]] in float32, rounded to out's dtype."""
+    weight[t, j] * y[row of pair t*k + j] in float32, rounded to out's dtype. The row is
+    row_of[pair], or the pair itself (ROWS_IN_ORDER: the pair kernels' y). A pair of another
+    rank's expert adds nothing: REMOTE 0 none are, 1 remote[pair] != 0 says so, 2 its expert
+    id (remote_ptr: the ids) is outside first_expert .. first_expert + num_local - 1."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = cols < D
     acc = tl.zeros([BLOCK_D], tl.float32)
     for j in tl.static_range(TOP_K):
         p = t * TOP_K + j
-        row = tl.load(row_of_ptr + p).to(tl.int64)
+        if ROWS_IN_ORDER:
+            row = p.to(tl.int64)
+        else:
+            row = tl.load(row_of_ptr + p).to(tl.int64)
         w = tl.load(weights_ptr + p)
         here = True
-        if HAS_REMOTE:  # another rank's row holds whatever the GEMM left there: never read it
+        if REMOTE == 1:  # another rank's row holds whatever the GEMM left there: never read it
             here = tl.load(remote_ptr + p) == 0
+        elif REMOTE == 2:
+            e = tl.load(remote_ptr + p).to(tl.int32) - first_expert
+            here = (e >= 0) & (e < num_local)
         if here:
             acc += w * tl.load(y_ptr + row * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -83,9 +93,12 @@ def unsort_combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, 
     return combine_rows(y, row_of, weights, remote, dtype)
 
 
-def combine_rows(y: torch.Tensor, row_of: torch.Tensor, weights: torch.Tensor, remote, dtype) -> torch.Tensor:
-    """:func:`unsort_combine` with each pair's sorted row given: row_of [T*k] (pair -> row of y);
-    ``remote`` [T*k] bool / uint8 or None (pairs another rank computes add nothing)."""
+def combine_rows(y: torch.Tensor, row_of: torch.Tensor | None, weights: torch.Tensor, remote, dtype,
+                 expert_ids: torch.Tensor | None = None, first_expert: int = 0, num_local: int = 0) -> torch.Tensor:
+    """:func:`unsort_combine` with each pair's row of y given: row_of [T*k] (pair -> row), or
+    None where y's rows are the pairs in order (the pair kernels' output). Pairs another rank
+    computes add nothing: ``remote`` [T*k] bool / uint8 marks them, or ``expert_ids`` [T*k] with
+    this rank's ``first_expert`` and ``num_local`` tells them; neither: every pair is here."""
     check_runnable("moe", _unsort_combine_kernel, y)
     num_tokens, top_k = weights.shape
     dim = y.shape[1]
@@ -95,10 +108,14 @@ def combine_rows(y: torch.Tensor, row_of: torch.Tensor, weights: torch.Tensor, r
     if y.stride(1) != 1:
         y = y.contiguous()
     flat_w = weights.reshape(-1).float().contiguous()
-    has_remote = remote is not None
-    remote_arg = remote.reshape(-1).to(torch.uint8) if has_remote else row_of
+    if remote is not None:
+        mode, marks = 1, remote.reshape(-1).to(torch.uint8)
+    elif expert_ids is not None:
+        mode, marks = 2, expert_ids.reshape(-1).contiguous()
+    else:
+        mode, marks = 0, flat_w
     block = _block(dim, _unsort_combine_kernel)
     _unsort_combine_kernel[(num_tokens, triton.cdiv(dim, block))](
-        y, row_of, flat_w, remote_arg, out, dim, y.stride(0), out.stride(0),
-        TOP_K=top_k, HAS_REMOTE=has_remote, BLOCK_D=block, num_warps=4)
+        y, flat_w if row_of is None else row_of, flat_w, marks, out, dim, first_expert, num_local, y.stride(0),
+        out.stride(0), TOP_K=top_k, ROWS_IN_ORDER=row_of is None, REMOTE=mode, BLOCK_D=block, num_warps=4)
     return out
