@@ -28,10 +28,19 @@ METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 
 
 @triton.jit
-def _first_index_of_max(values, idx, none: tl.constexpr):
-    """(max over a 2-D tile, the smallest idx holding it; ``none`` when no lane does (NaN))."""
-    best = tl.max(tl.max(values, 1), 0)
-    return best, tl.min(tl.min(tl.where(values == best, idx, none), 1), 0)
+def _argmax(values, idx, none: tl.constexpr, AXIS: tl.constexpr):
+    """(max of ``values`` along AXIS, the smallest ``idx`` holding it; ``none`` where no lane
+    does (NaN)): every top-k round of the router is one of these."""
+    best = tl.max(values, AXIS)
+    return best, tl.min(tl.where(values == tl.expand_dims(best, AXIS), idx, none), AXIS)
+
+
+@triton.jit
+def _argmax_2d(values, idx, none: tl.constexpr):
+    """:func:`_argmax` over a whole [groups, experts a group] tile: each row's, then the rows'
+    (idx grows along rows, then columns, so the first row holding the max has the smallest)."""
+    row_best, row_first = _argmax(values, idx, none, 1)
+    return _argmax(row_best, row_first, none, 0)
 
 
 @triton.jit
@@ -58,16 +67,14 @@ def _route_kernel(
     choice = tl.where(valid, choice, float("-inf"))
     if METHOD != 0:
         # Score each group, keep the best TOPK_GROUP of them, mask the experts of the others.
-        best = tl.max(choice, 1)  # [BLOCK_G]
+        best, first = _argmax(choice, s, BLOCK_S, 1)  # [BLOCK_G] each
         if METHOD == 2:  # noaux_tc: the sum of the group's two best (biased) scores
-            first = tl.min(tl.where(choice == best[:, None], s, BLOCK_S), 1)
             best = best + tl.max(tl.where(s == first[:, None], float("-inf"), choice), 1)
         gid = tl.arange(0, BLOCK_G)
         group_score = tl.where(gid < N_GROUP, best, float("-inf"))
         kept = gid < 0
         for _ in tl.static_range(TOPK_GROUP):
-            top = tl.max(group_score, 0)
-            pick = tl.min(tl.where(group_score == top, gid, BLOCK_G), 0)
+            _, pick = _argmax(group_score, gid, BLOCK_G, 0)
             kept = kept | (gid == pick)
             group_score = tl.where(gid == pick, float("-inf"), group_score)
         # group_limited_greedy fills 0 (as transformers' V2 does), noaux_tc -inf
@@ -80,7 +87,7 @@ def _route_kernel(
     weights = tl.zeros([BLOCK_K], tl.float32)
     ids = tl.zeros([BLOCK_K], tl.int32)
     for j in tl.static_range(TOP_K):
-        _, pick = _first_index_of_max(choice, expert, E)
+        _, pick = _argmax_2d(choice, expert, E)
         pick = tl.minimum(pick, E - 1)  # NaN logits: some valid expert, never an address past E
         hit = (expert == pick) & valid  # padding lanes repeat the next group's ids: never them
         w = tl.sum(tl.sum(tl.where(hit, source, 0.0), 1), 0)
