@@ -119,6 +119,20 @@ def moe_floor_bytes(args: tuple) -> tuple[int, int]:
     return touched * per_expert + 2 * hidden.numel() * hidden.element_size(), touched
 
 
+def torch_sorted_generic(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, num_routed,
+                         first_expert=None):
+    """The triton backend's prefill MoE path as it was before its blocked sort (same signature as
+    ``mlagraph.ops.triton.moe.sorted_generic``): the generic op's torch sort (argsort,
+    histogram, cumsum, row gather, inverse permutation) feeding the generic GEMMs and the fused
+    glue."""
+    from mlagraph.ops import moe as generic
+    from mlagraph.ops.triton import moe_glue
+
+    return generic.routed_grouped(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale,
+                                  num_routed, first_expert, activate=moe_glue.silu_mul,
+                                  combine=moe_glue.unsort_combine)
+
+
 def torch_sorted_experts(hidden, weights, ids, gate_up_proj, down_proj, first_expert=None, gate_up_scale=None,
                          down_scale=None, config=None):
     """The triton backend's sorted MoE path as it was before 2026-12-06, a peer for the one-launch

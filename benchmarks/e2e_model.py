@@ -29,9 +29,10 @@ What:
   to its floor: the bytes of the experts the batch touches at 4.25 TB/s, or its FLOPs at
   690 TFLOP/s (bf16 GEMM, ANCHORS.md), whichever is larger.
 
---moe-sort torch: the triton backend's sorted MoE path fed by the generic op's torch sort, as it
-was before 2026-12-06 (``common.torch_sorted_experts``), so a second run into another --out on
-the same machine measures what the one-launch sort changed end to end.
+--moe-sort torch: the triton backend's sorted MoE paths fed by the generic op's torch sort, as
+they were before 2026-12-06 (``common.torch_sorted_experts`` for decode-sized batches,
+``common.torch_sorted_generic`` for prefill), so a second run into another --out on the same
+machine measures what our sort changed end to end.
 
 --smoke: tiny dims (2 layers, hidden 128, 8 experts) on --device cpu in float32, a few
 iterations: CI proves the script runs (tests/test_e2e_model_bench.py); its numbers mean nothing.
@@ -171,11 +172,12 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
 def run_ours(args, ckpt: str, device, dtype, rows: list, meta: dict) -> DeepseekForCausalLM:
     cuda = device.type == "cuda"
     if args.moe_sort == "torch":  # every later call of the op (capture included) takes the old sort
-        from common import torch_sorted_experts
+        from common import torch_sorted_experts, torch_sorted_generic
 
         import mlagraph.ops.triton.moe as triton_moe
 
         triton_moe.grouped_triton = torch_sorted_experts
+        triton_moe.sorted_generic = torch_sorted_generic
     t0 = time.perf_counter()
     model = DeepseekForCausalLM.from_pretrained(ckpt, backend=args.backend, dtype=dtype, device=device, progress=False)
     meta["ours_load_s"] = time.perf_counter() - t0
@@ -395,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--moe-sort", choices=("one-launch", "torch"), default="one-launch",
-                   help="triton backend: the sorted MoE path's sort (torch: as before 2026-12-06)")
+                   help="triton backend: the sorted MoE paths' sort (torch: as before 2026-12-06)")
     p.add_argument("--smoke", action="store_true", help="tiny dims on CPU in float32 (CI: the script runs)")
     args = p.parse_args(argv)
     only = [x for x in args.only.split(",") if x]

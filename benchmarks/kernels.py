@@ -620,7 +620,8 @@ def bench_moe(rows, args, g):
     experts in turn, as a model reads them: nothing left in L2, and as many pages of memory as
     the model spans) and, with --sweep, tiles; decode sizes are timed as CUDA-graph replays
     (the engine's way)."""
-    from common import V2_LITE_MOE, V3_MOE, moe_floor_bytes, moe_layer_args, torch_sorted_experts
+    from common import (V2_LITE_MOE, V3_MOE, moe_floor_bytes, moe_layer_args, torch_sorted_experts,
+                        torch_sorted_generic)
 
     from mlagraph.ops.moe import moe_all_experts, route
 
@@ -636,14 +637,8 @@ def bench_moe(rows, args, g):
         return sorted_path(a, w=w, path=torch_sorted_experts)
 
     def generic_torch_sort(a):
-        """The triton op's prefill path as it was before its sort (torch's argsort, histogram,
-        cumsum and inverse permutation feeding F.grouped_mm and the fused glue)."""
-        from mlagraph.ops import moe as generic
-
-        glue = kernels("moe_glue")
-        weights, ids = tm.route(a[1], *a[4:12])
-        return generic.routed_grouped(a[0], weights, ids, a[2], a[3], a[12], a[13], a[1].shape[1],
-                                      activate=glue.silu_mul, combine=glue.unsort_combine)
+        """The triton op's prefill path behind torch's sort, as it was before the blocked sort."""
+        return torch_sorted_generic(a[0], *tm.route(a[1], *a[4:12]), a[2], a[3], a[12], a[13], a[1].shape[1])
 
     limits = dict(tm.PAIRS_PER_EXPERT_MAX)
 

@@ -74,9 +74,11 @@ def test_moe_sort_torch_runs_the_old_sorted_path(tmp_path, monkeypatch):
     import mlagraph.ops.triton.moe as triton_moe
 
     monkeypatch.setattr(triton_moe, "grouped_triton", triton_moe.grouped_triton)  # restored after the test
+    monkeypatch.setattr(triton_moe, "sorted_generic", triton_moe.sorted_generic)
     args = ["--smoke", "--device", "cpu", "--backend", "reference", "--prompts", "16", "--batches", "1",
             "--context", "16", "--iters", "1", "--only", "ours", "--moe-sort", "torch"]
     data = bench.main(["--out", str(tmp_path), *args])
     # the script imports benchmarks/common.py as ``common``: another module object than ours
     assert triton_moe.grouped_triton.__name__ == "torch_sorted_experts" and data["moe_sort"] == "torch"
+    assert triton_moe.sorted_generic.__name__ == "torch_sorted_generic"
     assert "MoE sorted by torch" in (tmp_path / "e2e_model.md").read_text()
