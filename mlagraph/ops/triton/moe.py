@@ -218,8 +218,7 @@ def sorted_generic(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale,
                                        num_routed, first_expert, activate=silu_mul, combine=unsort_combine)
     gate_up_mm, down_mm = gemms
     top_k = ids.shape[1]
-    # block_m only shapes the tile schedule, which these GEMMs do not read
-    sort = sort_pairs(ids, gate_up_proj.shape[0], 64, first_expert)
+    sort = sort_pairs(ids, gate_up_proj.shape[0], None, first_expert)  # these GEMMs take group ends, no tiles
     x = hidden.index_select(0, sort.order // top_k)  # [T*k, D], sorted rows
     y = down_mm(silu_mul(gate_up_mm(x, sort.group_end), hidden.dtype), sort.group_end)
     return combine_rows(y, sort.row_of, weights, sort.remote if first_expert is not None else None, hidden.dtype)

@@ -179,7 +179,7 @@ class SortedPairs:
     [P] (pair -> sorted row), ``remote`` [P] uint8 (another rank's expert), ``group_end``
     [num_local] int32 (each local expert's end row: the ``offs`` of ``F.grouped_mm``), and the
     grouped GEMMs' tiles of ``block_m`` rows (``tile_expert`` num_local past the last tile),
-    each [max_tiles] int32."""
+    each [max_tiles] int32; none (empty) when ``block_m`` is None."""
 
     order: torch.Tensor
     row_of: torch.Tensor
@@ -188,7 +188,7 @@ class SortedPairs:
     tile_expert: torch.Tensor
     tile_row0: torch.Tensor
     tile_row_end: torch.Tensor
-    block_m: int
+    block_m: int | None
 
     @property
     def schedule(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -200,7 +200,7 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-num_pairs // block_m) + min(num_experts, num_pairs)
 
 
-def sort_pairs(ids: torch.Tensor, num_local: int, block_m: int, first_expert: int | None = None,
+def sort_pairs(ids: torch.Tensor, num_local: int, block_m: int | None, first_expert: int | None = None,
                block_pairs: int | None = None) -> SortedPairs:
     """ids [T, k] global expert ids -> :class:`SortedPairs` for this rank's ``num_local``
     experts from ``first_expert`` (None: all of them, from 0). Up to
@@ -215,7 +215,9 @@ def sort_pairs(ids: torch.Tensor, num_local: int, block_m: int, first_expert: in
     num_pairs = flat.numel()
     if flat.stride(0) != 1:
         flat = flat.contiguous()
-    tiles = max_tiles(num_pairs, num_local, block_m)
+    # block_m None: no tile schedule (GEMMs that take the group ends, as F.grouped_mm does)
+    tiles = 0 if block_m is None else max_tiles(num_pairs, num_local, block_m)
+    tile_rows = 1 if block_m is None else block_m  # a tile height the kernels take; no tile is written
     dev = ids.device
     order = torch.empty(num_pairs, dtype=torch.int32, device=dev)
     row_of = torch.empty(num_pairs, dtype=torch.int32, device=dev)
@@ -236,7 +238,7 @@ def sort_pairs(ids: torch.Tensor, num_local: int, block_m: int, first_expert: in
     if block_pairs is None and num_pairs <= ONE_PROGRAM_MAX_PAIRS:
         _sort_pairs_kernel[(1,)](
             flat, order, row_of, remote, tile[0], tile[1], tile[2], group_end, num_pairs, first, num_local, tiles,
-            E_PAD=e_pad, CHUNK=chunk, BLOCK_M=block_m, num_warps=8,
+            E_PAD=e_pad, CHUNK=chunk, BLOCK_M=tile_rows, num_warps=8,
         )
         return out
     block_pairs = block_pairs or BLOCK_PAIRS
@@ -245,7 +247,7 @@ def sort_pairs(ids: torch.Tensor, num_local: int, block_m: int, first_expert: in
     _block_count_kernel[(num_blocks,)](flat, block_bins, num_pairs, first, num_local,
                                        BLOCK_PAIRS=block_pairs, E_PAD=e_pad, CHUNK=chunk, num_warps=8)
     _block_starts_kernel[(1,)](block_bins, tile[0], tile[1], tile[2], group_end, num_blocks, num_local, tiles,
-                               E_PAD=e_pad, CHUNK=chunk, BLOCK_M=block_m, num_warps=8)
+                               E_PAD=e_pad, CHUNK=chunk, BLOCK_M=tile_rows, num_warps=8)
     _block_place_kernel[(num_blocks,)](flat, order, row_of, remote, block_bins, num_pairs, first, num_local,
                                        BLOCK_PAIRS=block_pairs, E_PAD=e_pad, CHUNK=chunk, num_warps=8)
     return out

@@ -85,6 +85,18 @@ def test_blocked_sort_equals_torch(device, num_tokens, top_k, num_experts, block
                     block_m, first)
 
 
+@pytest.mark.parametrize("block_pairs", [None, 16])
+def test_no_tile_schedule_without_block_m(device, block_pairs):
+    """block_m None (the prefill path: F.grouped_mm takes the group ends): the same sort and group
+    ends, and no tiles made."""
+    ids = _routes(40, 3, 8, seed=40, skew=True)
+    got = sort_pairs(ids.to(device), 8, None, block_pairs=block_pairs)
+    want = sort_pairs(ids.to(device), 8, 16, block_pairs=block_pairs)
+    for name in ("order", "row_of", "remote", "group_end"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.block_m is None and all(t.numel() == 0 for t in got.schedule)
+
+
 def test_no_pairs(device):
     got = sort_pairs(torch.zeros(0, 6, dtype=torch.long, device=device), 64, 16)
     assert got.order.numel() == 0 and got.tile_expert.numel() == 0
