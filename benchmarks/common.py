@@ -56,6 +56,15 @@ def device_name(device: str) -> str:
     return f"{platform.processor() or platform.machine()} CPU ({os.cpu_count()} cores)"
 
 
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative L2 error of ``got`` against ``want``, in float64 on their device; inf when got
+    has a non-finite value (the model benchmarks' check before a variant is timed)."""
+    got, want = got.double(), want.double()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
 def write_json(out_dir: str | None, name: str, payload: dict) -> None:
     if not out_dir:
         return

@@ -77,7 +77,7 @@ if __name__ == "__main__" and _device_arg(sys.argv[1:]) == "cpu":
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import deepseek_v3_config, device_name, median_time, write_json  # noqa: E402
+from common import deepseek_v3_config, device_name, median_time, rel_err, write_json  # noqa: E402
 
 from mlagraph.model import DeepseekForCausalLM  # noqa: E402
 from mlagraph.model.batch import build_batch, fits_dense  # noqa: E402
@@ -129,15 +129,6 @@ def reference_bytes(cfg: DeepseekConfig, n: int, kv: int, dense: bool) -> int:
     # indexer_topk: slots [n, kv] int64, rows (bf16) and float32 keys [n, kv, Di], logits [n, Hi, kv];
     # sparse_mla: slots, bf16 rows and float32 latents (twice) [n, K, W], scores / probs [n, H, K]
     return max(n * kv * (8 + 6 * Di + 4 * Hi + 8), n * K * (8 + 2 * W + 8 * W + 12 * H))
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    """(relative L2 error, max abs difference) of got against want, in float32."""
-    got, want = got.float(), want.float()
-    if not bool(torch.isfinite(got).all()):
-        return math.inf, math.inf
-    diff = got - want
-    return float(diff.norm() / want.norm().clamp_min(1e-30)), float(diff.abs().max())
 
 
 def shared_model(base: DeepseekForCausalLM, hf_cfg: dict, backend: str, device: str, dtype) -> DeepseekForCausalLM:
@@ -198,7 +189,7 @@ class Point:
 
 
 def check(row: dict, name: str, got, want, tol: float) -> None:
-    err, diff = rel_err(got, want)
+    err, diff = rel_err(got, want), float((got.float() - want.float()).abs().max())
     row["checks"][name] = {"rel_err": err, "max_abs_diff": diff, "tol": tol}
     row["checked"].append(name)
     if not err <= tol:
@@ -247,7 +238,7 @@ def check_point(point: Point, row: dict, ref, tokens: list[int], gib: dict, args
         check(row, "sparse=dense", out["sparse"], out["dense"], tol)
     else:  # not a check: how far dense attention (an approximation of DSA here) is from it
         row["checks"]["sparse=dense"] = "n/a: kv > index_topk (dense is an approximation there)"
-    row["dense_vs_sparse_rel_diff"] = rel_err(out["dense"], out["sparse"])[0]
+    row["dense_vs_sparse_rel_diff"] = rel_err(out["dense"], out["sparse"])
     for v in ("dense", "sparse"):
         key = f"{v}=reference"
         if point.model is ref:

@@ -54,7 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root: the kernel rows reuse the tests' case builder
 
-from common import device_name, median_time  # noqa: E402
+from common import device_name, median_time, rel_err  # noqa: E402
 from mlagraph.model import DeepseekForCausalLM  # noqa: E402
 from mlagraph.model.batch import build_batch  # noqa: E402
 from mlagraph.ops import v4_layouts  # noqa: E402
@@ -124,13 +124,6 @@ def widened_caches(exact, caches, num_pages: int, page_size: int):
             if t is not None:
                 getattr(w, name).copy_(t)
     return wide
-
-
-def rel_err(got, want) -> float:
-    got, want = got.double(), want.double()
-    if not torch.isfinite(got).all():
-        return float("inf")
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
 def graph_time(fn, device, replays: int = 20) -> float:
