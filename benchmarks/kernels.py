@@ -661,6 +661,9 @@ def bench_moe(rows, args, g):
                   {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}, {"BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4},
                   {"BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 8}, {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 8},
                   {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_K": 2048, "num_warps": 8}]
+    # software pipelining depth of the pair GEMVs' K loop (Triton's default otherwise)
+    sweep_cfgs += [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
+                   for n, k, w in ((16, 512, 4), (8, 512, 2), (8, 256, 2), (4, 512, 2), (16, 256, 4)) for st in (1, 2, 4)]
     for model, dims, fp8, tokens in cases:
         label = "fp8" if fp8 else "bf16"
         if args.moe_cases and f"{model}-{label}" not in args.moe_cases.split(","):

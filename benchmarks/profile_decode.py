@@ -40,6 +40,7 @@ def main() -> None:
                    help="v2-lite: DeepSeek-V2-Lite's dims (benchmarks/e2e_model.py), --layers of them")
     p.add_argument("--moe", choices=("backend", "reference"), default="backend",
                    help="reference: the generic grouped moe op in place of the backend's")
+    p.add_argument("--sequence", type=int, default=0, help="also print this many kernels of one replay, in order")
     args = p.parse_args()
 
     if args.model == "v2-lite":
@@ -84,6 +85,14 @@ def main() -> None:
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90)
         print(table)
+        if args.sequence:
+            # kernels in launch order, the last replay's first --sequence of them: what runs next to what
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            kernels.sort(key=lambda e: e.time_range.start)
+            last = kernels[-len(kernels) // 5:]
+            print(f"kernel sequence of one replay ({len(last)} kernels), first {args.sequence}:")
+            for e in last[:args.sequence]:
+                print(f"  {e.time_range.elapsed_us():8.2f} us  {e.name[:100]}")
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             name = f"profile_{args.model}_{args.layers}L_moe-{args.moe}_B{args.batch}_L{args.ctx}.txt"

@@ -239,6 +239,7 @@ def routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale,
         cfg.update(BLOCK_N=16, BLOCK_K=32)  # tiny CPU shapes: small tiles, few wasted lanes
     cfg.update(config or {})
     block_n, block_k, warps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+    stages = cfg.get("num_stages")  # None: Triton's default software pipelining
     if block_k < 1 or block_k & (block_k - 1):
         raise ValueError(f"mlagraph_triton.moe config: BLOCK_K must be a power of 2, got {block_k}")
     # fp8: runs of at most one scale block (KC columns) side by side; float: one run
@@ -260,11 +261,13 @@ def routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale,
         x, flat_ids, w1, s1, act, dim, inter, first, num_local,
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), act.stride(0),
         TOP_K=top_k, FP8=fp8, BLOCK_N=block_n, KB=kb, KC=kc, num_warps=warps,
+        **({} if stages is None else {"num_stages": stages}),
     )
     _down_kernel[(pairs, triton.cdiv(dim, block_n))](
         act, flat_ids, w2, s2, y, dim, inter, first, num_local,
         act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
         FP8=fp8, BLOCK_N=block_n, KB=kb, KC=kc, num_warps=warps,
+        **({} if stages is None else {"num_stages": stages}),
     )
     # y's rows are the pairs in order; with expert shards the ids tell this rank's pairs
     return combine_rows(y, None, weights, None, hidden.dtype, flat_ids if first_expert is not None else None,

@@ -55,6 +55,16 @@ def test_pair_kernels_match_a_float64_loop(device):
     torch.testing.assert_close(pairs(args).cpu().double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def test_a_repeated_row_gives_the_row_alone(device):
+    """The engine's batch-1 decode graph runs two rows, the second a copy of the first
+    (torch.compile's size-1 special case): both rows equal the row run alone."""
+    args = _on(random_moe_args(1, E, D, I, ROUTINGS[3], torch.bfloat16), device)
+    twice = (args[0].repeat(2, 1), args[1].repeat(2, 1), *args[2:])
+    alone, both = op(*args), op(*twice)
+    assert triton_moe.path_for(2, args[5], E, fp8=False) == "pairs"
+    torch.testing.assert_close(both, alone.repeat(2, 1), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
 # E = 8, top-3: 2 / 3 tokens straddle 0.75 pairs an expert (bf16 pairs -> sorted), 85 / 86 straddle
 # 32 (sorted -> generic)
