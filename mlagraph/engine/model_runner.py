@@ -42,7 +42,7 @@ class ModelRunner:
         self.caches = model.allocate_caches(num_pages, page_size)
         self.step_fn = model
         self.compiled = []  # the CompiledSteps this runner owns
-        self.min_reqs = 1
+        self.min_reqs = 1  # requests a batch is padded to (build_batch's min_reqs)
         self.compile_progress = CompileProgress(progress) if compile else None
         self.compile_kwargs = None  # what mlagraph.compile was given (the speculator compiles its steps alike)
         decode_fn, inductor_graphs = model, False
@@ -50,8 +50,9 @@ class ModelRunner:
             from ..compiler import compile as mlagraph_compile
 
             # Dynamic token / request dimensions: one graph per batch-plan variant, whatever the
-            # batch size. Batches are padded to >= 2 requests because torch.compile treats a
-            # size of 1 as a special case (it would compile that size separately).
+            # batch size, one request included (sizes are traced size-oblivious, so a size of 1
+            # reuses the graphs). Batches are not padded: a padding request would run the whole
+            # model, and at batch 1 its row doubled the MoE's work (its own experts' weights).
             options = dict(compile_options or {})
             mode = options.pop("mode", None)
             kw = dict(backend=compile_backend, fullgraph=True, dynamic=True, **options)
@@ -63,7 +64,6 @@ class ModelRunner:
             # regional step would replay 2L+2 of them per decode step, so that decode step is
             # compiled whole (our own capture, below, records the regional step in one graph).
             decode_fn = mlagraph_compile(model, **{**kw, "regional": False}, mode=mode) if inductor_graphs else self.step_fn
-            self.min_reqs = 2
             self.compiled = [self.step_fn] + ([decode_fn] if inductor_graphs else [])
         self.decode_fn, self.inductor_graphs = decode_fn, inductor_graphs
         self.graphs = None  # DecodeGraphs | InductorDecodeGraphs

@@ -269,8 +269,8 @@ def build_batch(
     ``min_reqs`` pads the batch with empty requests (no pages, slot -1: nothing is read or
     written for them, their logits rows come last and are to be ignored) and the block table
     to at least 2 columns (and, in a DSA split batch, each of its dense and sparse groups to
-    ``min_reqs`` requests). Compiled engines pass 2: a size of 1 is a special case to
-    torch.compile's dynamic shapes, and padding keeps every batch size in one graph.
+    ``min_reqs`` requests). Engines pass 1 (no padding): compiled graphs trace sizes
+    size-oblivious, so a size of 1 reuses them; padding is for callers that want a fixed floor.
     """
     n = len(token_ids)
     is_decode = list(is_decode) if is_decode is not None else [False] * n

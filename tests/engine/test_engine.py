@@ -55,6 +55,34 @@ def _cache_bytes(engine: Engine) -> list[torch.Tensor]:
     return [t.detach().contiguous().view(torch.uint8).clone() for t in tensors]
 
 
+# --- compiled engines ----------------------------------------------------------------------------
+
+
+def test_compiled_engine_runs_one_request_unpadded(v3, monkeypatch):
+    """A compiled engine runs a lone request as one request: no padding request (at batch 1 it
+    would run the whole model on a second row, and route that row through other experts).
+    Batch sizes 1 and 2 share the compiled graphs, and the tokens equal an eager engine's."""
+    import mlagraph.engine.model_runner as model_runner
+
+    sizes, build = [], model_runner.build_batch
+
+    def spy(*args, **kw):
+        batch = build(*args, **kw)
+        sizes.append((batch.seq_lens.shape[0], batch.input_ids.shape[0]))
+        return batch
+
+    monkeypatch.setattr(model_runner, "build_batch", spy)
+    prompt = _prompts(3, [5])
+    engine = _engine(v3, compile=True, compile_backend="mlagraph_eager", progress=False)
+    got = engine.generate(prompt, max_new_tokens=3)[0].token_ids
+    assert sizes == [(1, 5), (1, 1), (1, 1)]  # (requests, token rows): the prefill, two decode steps
+    graphs = engine.runner.step_fn.num_graphs
+    engine.generate(_prompts(4, [3, 6]), max_new_tokens=3)
+    assert engine.runner.step_fn.num_graphs == graphs
+    monkeypatch.setattr(model_runner, "build_batch", build)
+    assert got == _engine(v3).generate(prompt, max_new_tokens=3)[0].token_ids
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 GOOD = [1, 2, 3]
