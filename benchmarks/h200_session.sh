@@ -9,8 +9,9 @@
 # Setup: the carried packages (.carry/, built by the project's gpu-carry tool) when present,
 # else wheels in .whl/. Tests run with -v, so a run cut by its timeout still lists every test
 # that finished. Knobs: NPROC (xdist workers, 8), T1 (whole pytest run, s, 400), TT (one test, s,
-# 300), BENCH_TIMEOUT (s, 500), RERUN (0: no
-# serial rerun of failures), T2 (that rerun, s, 200).
+# 300), BENCH_TIMEOUT (s, 500), REACH (0: no second run of the tests T1 cut off), T3 (that
+# run, s, 250), NPROC_REST (its workers, 4), RERUN (0: no serial rerun of failures), T2 (that
+# rerun, s, 200).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -31,6 +32,31 @@ if [ ${#tests[@]} -gt 0 ]; then
   echo "pytest rc=$? ($name)"
   grep -E "^(FAILED|ERROR)| passed| failed" "$OUT/$name.log" | sort -u | tail -40
   echo "PASSED lines: $(grep -c PASSED "$OUT/$name.log")"
+  # Tests the run did not reach before T1 (the card's size sets how many workers fit): run
+  # them in a second pytest, so one call finishes the suite when time allows.
+  if [ "${REACH:-1}" = 1 ]; then
+    python3 -m pytest -m gpu --collect-only -q -p no:cacheprovider "${tests[@]}" 2>/dev/null >"$OUT/collected.txt"
+    # ids as -v prints them (after the outcome, to the end of the line: ids may hold spaces); an
+    # id with whitespace is passed as its test function (all its cases), which argv can carry
+    mapfile -t left < <(python3 - "$OUT/collected.txt" "$OUT/$name.log" <<'PY'
+import re, sys
+collected = [l.strip() for l in open(sys.argv[1]) if "::" in l]
+outcome = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (tests/.*?)\s*$")
+reported = {m.group(2) for l in open(sys.argv[2]) if (m := outcome.search(l))}
+left = [t for t in collected if t not in reported]
+print("\n".join(dict.fromkeys(t.split("[")[0] if re.search(r"\s", t) else t for t in left)))
+PY
+)
+    rm -f "$OUT/collected.txt"
+    if [ ${#left[@]} -gt 0 ] && [ -n "${left[0]}" ]; then
+      timeout "${T3:-250}" python3 -m pytest -m gpu -n "${NPROC_REST:-4}" -v -rfE -p no:cacheprovider --tb=short \
+        "${per_test[@]}" "${left[@]}" >"$OUT/$name-rest.log" 2>&1
+      rc=$?
+      echo "not reached: ${#left[@]} tests, second run rc=$rc"
+      grep -E "^(FAILED|ERROR)| passed| failed" "$OUT/$name-rest.log" | sort -u | tail -20
+      grep -E "^(FAILED|ERROR) " "$OUT/$name-rest.log" >>"$OUT/$name.log"
+    fi
+  fi
   # Tests that failed beside many workers (out of memory on an 80 GB card, say) run again alone,
   # so the log tells a crowded card from a real failure.
   failed=$(grep -E "^(FAILED|ERROR) " "$OUT/$name.log" | awk '{print $2}' | sort -u)
