@@ -302,7 +302,9 @@ class DeepseekForCausalLM(nn.Module):
         ``tensor_parallel_size`` N > 1 runs the model on N ranks of the initialized default
         process group (torchrun): attention heads, MLP widths and the vocabulary split N ways,
         routed experts split by expert; each rank reads only its slices of the shards. fp8
-        weights are dequantized at load there for now ("keep" raises).
+        weights stay fp8 there too, each rank keeping its slice and the slice's block scales,
+        where the slice starts on a whole 128x128 block (DeepSeek-V3 at N = 2, 4, 8, 16); a
+        weight split elsewhere is dequantized at load under "auto", and "keep" raises, naming it.
         """
         from .loading import check_shards, checkpoint_dir, checkpoint_files, has_mtp_weights, load_checkpoint
 
@@ -311,12 +313,6 @@ class DeepseekForCausalLM(nn.Module):
         ps = parallel_state(tensor_parallel_size)
         if ps.world > 1:
             _no_v4_parallel(path)
-            if fp8_weights == "keep":
-                raise ValueError(
-                    f"fp8_weights: 'keep' is not supported with tensor_parallel_size={ps.world} yet "
-                    "(fp8 block scales are not sliced across ranks); expected 'auto' or 'dequantize'"
-                )
-            fp8_weights = "dequantize" if fp8_weights == "auto" else fp8_weights
         if model_type_of(path) == "deepseek_v4":
             from .deepseek_v4 import DeepseekV4ForCausalLM
 

@@ -79,6 +79,21 @@ def keeps_fp8(choice: str, hf_config: dict, has_fp8_weights: bool, dtype: torch.
     return True
 
 
+def slice_keeps_blocks(sl: tuple[int, int, int] | None) -> bool:
+    """Whether every rank's slice of an fp8 weight is made of whole 128x128 scale blocks, so
+    each rank can keep its slice in fp8 with the matching rows or columns of the scales. ``sl``:
+    this rank's (dim, start, length) of an even split (every rank's length is the same, so the
+    answer is too), or None for a weight every rank holds whole."""
+    return sl is None or sl[2] % FP8_BLOCK == 0
+
+
+def slice_scales(scale: torch.Tensor, sl: tuple[int, int, int]) -> torch.Tensor:
+    """The block scales [N/128, K/128] of a weight slice (dim, start, length) that
+    :func:`slice_keeps_blocks` accepted."""
+    dim, start, n = sl
+    return scale.narrow(dim, start // FP8_BLOCK, n // FP8_BLOCK)
+
+
 def fp8_linear_for(linear: nn.Linear) -> Fp8Linear:
     """An Fp8Linear of the same shape (and the same bias parameter) to load fp8 weights into."""
     return Fp8Linear(linear.in_features, linear.out_features, linear.bias)

@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 
 from ..ops.fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_blockwise
 from .config import read_config_file, read_json
-from .fp8_weights import DEQUANTIZED_AT_LOAD, fp8_linear_for, keep_experts_fp8, keeps_fp8
+from .fp8_weights import (DEQUANTIZED_AT_LOAD, fp8_linear_for, keep_experts_fp8, keeps_fp8, slice_keeps_blocks,
+                          slice_scales)
 from .parallel import SINGLE, local_slice
 
 _EXPERT = re.compile(r"^((?:model\.layers\.\d+|mtp)\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -144,6 +145,23 @@ def _keep_fp8_layers(model: nn.Module, fp8_keys: set[str]) -> set[str]:
     return kept
 
 
+def _split_off_blocks(files: list[str], scale_files: dict[str, str], ours, ps) -> set[str]:
+    """Our keys of the fp8 weights whose slices are not whole scale blocks (tensor parallel;
+    experts are never sliced): those cannot stay fp8. The same set on every rank."""
+    if ps.world == 1:
+        return set()
+    out = set()
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for disk_key in f.keys():
+                key = ours(disk_key) if disk_key + "_scale_inv" in scale_files else None
+                if key is None or _EXPERT.match(key) or key.removesuffix(".weight").rsplit(".", 1)[-1] in DEQUANTIZED_AT_LOAD:
+                    continue  # experts are never sliced; those layers are dequantized anyway
+                if not slice_keeps_blocks(local_slice(key, f.get_slice(disk_key).get_shape(), ps)):
+                    out.add(key)
+    return out
+
+
 def load_checkpoint(
     model: nn.Module, path: str | os.PathLike, *, progress: bool = True, fp8_weights: str = "auto",
     dtype: torch.dtype = torch.float32,
@@ -167,15 +185,24 @@ def load_checkpoint(
     # (the model's own renaming is not applied here: as before, fp8 layers are found by disk name)
     fp8_keys = {_our_key(k.removesuffix("_scale_inv"), num_layers, has_mtp) for k in scale_files} - {None}
     kept: set[str] = set()
+    ps = getattr(model, "parallel", SINGLE)
     if keeps_fp8(fp8_weights, read_config_file(path), bool(fp8_keys), dtype):
-        kept = _keep_fp8_layers(model, fp8_keys)
+        split = _split_off_blocks(files, scale_files, ours, ps)
+        if split and fp8_weights == "keep":
+            raise ValueError(
+                f"from_pretrained: fp8_weights='keep' with tensor_parallel_size={ps.world}: the slices of "
+                f"{sorted(split)[:4]}{' ...' if len(split) > 4 else ''} are not whole {FP8_BLOCK}x{FP8_BLOCK} "
+                f"blocks (each rank's rows or columns must be a multiple of {FP8_BLOCK}), so their scales cannot "
+                "be split with them; pass fp8_weights='auto' (those are dequantized at load, the rest stay fp8) "
+                "or another tensor_parallel_size"
+            )
+        kept = _keep_fp8_layers(model, fp8_keys - split)
 
     params = dict(model.named_parameters())
     params.update(
         {n: b for n, b in model.named_buffers()
          if n.endswith(_CHECKPOINT_BUFFERS) or n.endswith("_scale_inv") or b.dtype == FP8_DTYPE}
     )
-    ps = getattr(model, "parallel", SINGLE)
     # expert parallel: each MoE layer's first local expert and how many it holds
     first_expert = {f"{n}.experts": m.first_expert for n, m in model.named_modules()
                     if getattr(m, "first_expert", None) is not None}
@@ -213,10 +240,12 @@ def load_checkpoint(
                                 scale = g.get_tensor(scale_key)
                         else:
                             raise ValueError(f"from_pretrained: fp8 weight {key!r} has no {scale_key!r} in {path!r}")
+                        sl = None if em else local_slice(key, tensor.shape, ps)  # read whole: its scales tile it
                         if key not in kept:
                             tensor, scale = dequantize_blockwise(tensor, scale.float(), torch.float32), None
-                            sl = None if em else local_slice(key, tensor.shape, ps)
-                            tensor = tensor if sl is None else tensor.narrow(*sl)  # read whole: its scales tile it
+                            tensor = tensor if sl is None else tensor.narrow(*sl)
+                        elif sl is not None:  # this rank's rows or columns, and their blocks' scales
+                            tensor, scale = tensor.narrow(*sl), slice_scales(scale, sl)
                     if tensor.dtype != FP8_DTYPE and key in kept:  # its scale said fp8: its layer was made fp8
                         misshaped.append(
                             f"{key}: expected dtype float8_e4m3fn (it has a weight_scale_inv), got {tensor.dtype}"

@@ -30,9 +30,9 @@ _NOT_QUANTIZED = re.compile(r"embed_tokens|lm_head|norm|mlp\.gate\.weight|e_scor
 IDS = [3, 17, 42, 8, 8, 61, 0, 25, 11]
 
 
-def _hf_model(moe_intermediate_size=128):
+def _hf_model(moe_intermediate_size=128, intermediate_size=384):
     cfg = transformers.DeepseekV3Config(
-        vocab_size=64, hidden_size=256, intermediate_size=384, moe_intermediate_size=moe_intermediate_size,
+        vocab_size=64, hidden_size=256, intermediate_size=intermediate_size, moe_intermediate_size=moe_intermediate_size,
         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=128,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_shared_experts=1,
         num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
@@ -44,10 +44,10 @@ def _hf_model(moe_intermediate_size=128):
     return transformers.DeepseekV3ForCausalLM(cfg).float().eval()
 
 
-def write_fp8_checkpoint(path, quantization_config=QUANT, moe_intermediate_size=128) -> list[str]:
+def write_fp8_checkpoint(path, quantization_config=QUANT, moe_intermediate_size=128, intermediate_size=384) -> list[str]:
     """A transformers checkpoint with every 2-d linear/expert weight in e4m3 + block scales;
     returns the quantized keys."""
-    _hf_model(moe_intermediate_size).save_pretrained(path)
+    _hf_model(moe_intermediate_size, intermediate_size).save_pretrained(path)
     tensors = load_file(path / SINGLE)
     quantized = [k for k, v in tensors.items() if v.dim() == 2 and not _NOT_QUANTIZED.search(k)]
     for key in quantized:
