@@ -111,14 +111,27 @@ def hf_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_checkpoint(path: str, config: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    """Random weights as a sharded Hugging Face checkpoint at ``path`` (kept while config matches)."""
+# DeepSeek's fp8 checkpoints: e4m3 weights with a float32 scale per 128x128 block, except these
+FP8_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                    "weight_block_size": [128, 128]}
+NOT_QUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "e_score", "rotary")
+
+
+def write_checkpoint(path: str, config: dict, device: torch.device, dtype: torch.dtype, fp8: bool = False) -> dict:
+    """Random weights as a sharded Hugging Face checkpoint at ``path`` (kept while config
+    matches). ``fp8``: every 2-d linear and expert weight as DeepSeek stores it (e4m3 +
+    ``weight_scale_inv`` per 128x128 block, ``quantization_config`` in config.json)."""
     from safetensors.torch import save_file
 
+    from mlagraph.ops.fp8 import quantize_blockwise
+
+    on_disk = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
+    if fp8:
+        on_disk["quantization_config"] = FP8_QUANTIZATION
     marker = os.path.join(path, "config.json")
     if os.path.exists(marker) and os.path.exists(os.path.join(path, "model.safetensors.index.json")):
         with open(marker) as f:
-            if json.load(f) == json.loads(json.dumps({**config, "torch_dtype": str(dtype).removeprefix("torch.")})):
+            if json.load(f) == json.loads(json.dumps(on_disk)):
                 return {"reused": True}
     t0 = time.perf_counter()
     os.makedirs(path, exist_ok=True)
@@ -127,8 +140,13 @@ def write_checkpoint(path: str, config: dict, device: torch.device, dtype: torch
     weight_map, shard, size, n = {}, {}, 0, 0
     names = sorted(tensors)
     for i, name in enumerate(names):
-        shard[name] = tensors[name].contiguous().cpu()
-        size += shard[name].numel() * shard[name].element_size()
+        t = tensors[name]
+        if fp8 and t.dim() == 2 and not any(part in name for part in NOT_QUANTIZED):
+            q, scale = quantize_blockwise(t.float())
+            shard[name], shard[name + "_scale_inv"] = q.cpu(), scale.cpu()
+        else:
+            shard[name] = t.contiguous().cpu()
+        size += sum(shard[k].numel() * shard[k].element_size() for k in (name, name + "_scale_inv") if k in shard)
         if size >= SHARD_BYTES or i == len(names) - 1:
             n += 1
             file = f"model-{n:05d}.safetensors"
@@ -140,7 +158,7 @@ def write_checkpoint(path: str, config: dict, device: torch.device, dtype: torch
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_parameters": params}, "weight_map": weight_map}, f)
     with open(marker, "w") as f:  # last: a half-written checkpoint is never reused
-        json.dump({**config, "torch_dtype": str(dtype).removeprefix("torch.")}, f)
+        json.dump(on_disk, f)
     return {"reused": False, "write_s": time.perf_counter() - t0, "parameters": params, "shards": n}
 
 
