@@ -50,6 +50,23 @@ def median_time(fn, *, warmup: int = 3, iters: int = 20) -> float:
     return statistics.median(times)
 
 
+def capture_graph(fns, repeats: int = 1) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of ``repeats`` rounds of fns[0](), fns[1](), ...: each runs once first on
+    a side stream (kernels compile, the allocator settles), then the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            for fn in fns:
+                fn()
+    return graph
+
+
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))

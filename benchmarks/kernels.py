@@ -105,17 +105,9 @@ def do_bench(fn) -> float:
 
 def graph_bench(fns, replays: int = 50) -> float:
     """µs per call of fns[i]() (one per input set), timed over CUDA-graph replays of all of them."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(4):
-            for f in fns:
-                f()
+    from common import capture_graph
+
+    g = capture_graph(fns, repeats=4)
     g.replay()
     torch.cuda.synchronize()
     times = []

@@ -9,7 +9,7 @@ V2-Lite-dims model and captures, over all its MoE layers, one CUDA graph per var
   - ``op, model weights``: the ``moe`` op on the model's own experts, one random hidden row;
   - ``op, cloned weights``: the same with each layer's experts cloned (fresh allocations);
   - ``mlp``: the layer's whole MLP (router GEMM + op + shared experts), as the model runs it;
-  - ``mlp after attention``: each MLP preceded by the layer's o_proj GEMM (an attention-sized
+  - ``o_proj + mlp``: each MLP preceded by the layer's o_proj GEMM (an attention-sized
     neighbour);
 and prints each graph's replay time per layer and the profiler's per-kernel averages.
 """
@@ -23,6 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import capture_graph  # noqa: E402
 from e2e_model import V2_LITE  # noqa: E402
 
 from mlagraph.model import DeepseekForCausalLM  # noqa: E402
@@ -37,21 +38,6 @@ def call_op(mlp: MoE, x: torch.Tensor, gate_up=None, down=None) -> torch.Tensor:
                     c.routed_scaling_factor, None, None)
 
 
-def graph_of(fns):
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    return g
-
-
 def replay_us(g, n_layers: int, iters: int = 50) -> float:
     for _ in range(5):
         g.replay()
@@ -64,7 +50,8 @@ def replay_us(g, n_layers: int, iters: int = 50) -> float:
     return a.elapsed_time(b) * 1e3 / iters / n_layers
 
 
-def kernel_avgs(g) -> dict[str, float]:
+def kernel_totals(g) -> dict[str, tuple[float, int]]:
+    """Kernel name -> (GPU time in us over 3 replays, calls)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -73,7 +60,7 @@ def kernel_avgs(g) -> dict[str, float]:
         torch.cuda.synchronize()
     out = {}
     for e in prof.key_averages():
-        t = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
         if e.count and t:
             out[e.key[:60]] = (t, e.count)
     return out
@@ -103,13 +90,12 @@ def main() -> None:
             "mlp": [lambda m=l.mlp: m(x) for l in layers],
             "o_proj + mlp": [lambda l=l: l.mlp(l.self_attn.o_proj(x)) for l in layers],
         }
-        rows = []
         for name, fns in variants.items():
-            gr = graph_of(fns)
+            torch.cuda.synchronize()
+            gr = capture_graph(fns)
             us = replay_us(gr, len(fns))
-            k = kernel_avgs(gr)
+            k = kernel_totals(gr)
             pick = {key: v for key, v in k.items() if "gate_up" in key or "down_kernel" in key}
-            rows.append((name, us, pick))
             print(f"{name:32s} {us:7.1f} us/layer  " + "  ".join(
                 f"{key.strip()[:16]} {t / c:.1f} us" for key, (t, c) in sorted(pick.items())), flush=True)
             del gr

@@ -11,9 +11,9 @@ random weights written once by rank 0 as an fp8 checkpoint (``e2e_model.write_ch
 every rank reading its slices (``from_pretrained(tensor_parallel_size=N)``: heads, widths and
 vocabulary split N ways, experts by expert, fp8 weights kept fp8 with their scales).
 
-1. Check (``--no-check`` skips it): rank 0 also loads the model on one rank when it fits, and
-   the prompt logprobs of the TP model equal it within bf16 tolerance (the largest difference
-   is reported; a failure stops the run).
+1. Check (N > 1; ``--no-check`` skips it): rank 0 also loads the whole model on its own GPU
+   (so it must fit one), and the prompt logprobs of the TP model equal it within bf16
+   tolerance (the largest difference is reported; a failure stops the run).
 2. Decode: an engine with compile and CUDA graphs (the collectives inside the graph), its
    latent cache filled with random values, ``batch`` requests of ``context`` cached tokens; the
    median engine step over ``--iters`` (host metadata + replay + sync), per (batch, context).
@@ -122,8 +122,7 @@ def main() -> None:
                   flush=True)
             if not diff <= LOGPROB_TOL:
                 raise SystemExit(f"tp_decode: the {world}-rank model's logprobs differ from one rank's by {diff}")
-        if world > 1:
-            dist.barrier()
+        dist.barrier()
 
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]

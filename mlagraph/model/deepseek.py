@@ -303,8 +303,8 @@ class DeepseekForCausalLM(nn.Module):
         process group (torchrun): attention heads, MLP widths and the vocabulary split N ways,
         routed experts split by expert; each rank reads only its slices of the shards. fp8
         weights stay fp8 there too, each rank keeping its slice and the slice's block scales,
-        where the slice starts on a whole 128x128 block (DeepSeek-V3 at N = 2, 4, 8, 16); a
-        weight split elsewhere is dequantized at load under "auto", and "keep" raises, naming it.
+        where every rank's slice is whole 128x128 blocks (DeepSeek-V3 at N = 2, 4, 8, 16); any
+        other split weight is dequantized at load under "auto", and "keep" raises, naming it.
         """
         from .loading import check_shards, checkpoint_dir, checkpoint_files, has_mtp_weights, load_checkpoint
 

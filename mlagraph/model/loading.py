@@ -122,6 +122,12 @@ def _our_key(key: str, num_layers: int, mtp: bool) -> str | None:
     return "mtp." + rest
 
 
+def _dequantized_at_load(key: str) -> bool:
+    """Whether the linear layer holding weight ``key`` stays in the model dtype (its weight is
+    read directly by the model, see fp8_weights.DEQUANTIZED_AT_LOAD)."""
+    return key.removesuffix(".weight").rsplit(".", 1)[-1] in DEQUANTIZED_AT_LOAD
+
+
 def _keep_fp8_layers(model: nn.Module, fp8_keys: set[str]) -> set[str]:
     """Turns the layers holding these fp8 checkpoint weights into fp8 ones (Fp8Linear, fp8
     experts); returns the checkpoint keys that now load as e4m3. Keys naming no layer of the
@@ -138,24 +144,25 @@ def _keep_fp8_layers(model: nn.Module, fp8_keys: set[str]) -> set[str]:
             if isinstance(module.gate_up_proj, nn.Parameter):  # the layer's first fp8 expert
                 keep_experts_fp8(module)
             kept.add(key)
-        elif not em and isinstance(module, nn.Linear) and owner.rsplit(".", 1)[-1] not in DEQUANTIZED_AT_LOAD:
+        elif not em and isinstance(module, nn.Linear) and not _dequantized_at_load(key):
             parent, _, child = owner.rpartition(".")
             setattr(model.get_submodule(parent), child, fp8_linear_for(module))
             kept.add(key)
     return kept
 
 
-def _split_off_blocks(files: list[str], scale_files: dict[str, str], ours, ps) -> set[str]:
+def _split_off_blocks(files: list[str], fp8_names: dict[str, str | None], ps) -> set[str]:
     """Our keys of the fp8 weights whose slices are not whole scale blocks (tensor parallel;
-    experts are never sliced): those cannot stay fp8. The same set on every rank."""
+    experts are never sliced): those cannot stay fp8. The same set on every rank.
+    ``fp8_names``: each fp8 weight's disk key -> our key (None: not ours)."""
     if ps.world == 1:
         return set()
     out = set()
     for file in files:
         with safe_open(file, framework="pt") as f:
             for disk_key in f.keys():
-                key = ours(disk_key) if disk_key + "_scale_inv" in scale_files else None
-                if key is None or _EXPERT.match(key) or key.removesuffix(".weight").rsplit(".", 1)[-1] in DEQUANTIZED_AT_LOAD:
+                key = fp8_names.get(disk_key)
+                if key is None or _EXPERT.match(key) or _dequantized_at_load(key):
                     continue  # experts are never sliced; those layers are dequantized anyway
                 if not slice_keeps_blocks(local_slice(key, f.get_slice(disk_key).get_shape(), ps)):
                     out.add(key)
@@ -183,11 +190,13 @@ def load_checkpoint(
         return None if key is None else _our_key(key, num_layers, has_mtp)
 
     # (the model's own renaming is not applied here: as before, fp8 layers are found by disk name)
-    fp8_keys = {_our_key(k.removesuffix("_scale_inv"), num_layers, has_mtp) for k in scale_files} - {None}
+    fp8_names = {k.removesuffix("_scale_inv"): _our_key(k.removesuffix("_scale_inv"), num_layers, has_mtp)
+                 for k in scale_files}
+    fp8_keys = set(fp8_names.values()) - {None}
     kept: set[str] = set()
     ps = getattr(model, "parallel", SINGLE)
     if keeps_fp8(fp8_weights, read_config_file(path), bool(fp8_keys), dtype):
-        split = _split_off_blocks(files, scale_files, ours, ps)
+        split = _split_off_blocks(files, fp8_names, ps)
         if split and fp8_weights == "keep":
             raise ValueError(
                 f"from_pretrained: fp8_weights='keep' with tensor_parallel_size={ps.world}: the slices of "
