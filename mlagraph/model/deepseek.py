@@ -100,11 +100,18 @@ class MoE(nn.Module):
             c.num_experts_per_tok, c.scoring_func, c.topk_method, c.n_group, c.topk_group, c.norm_topk_prob,
             c.routed_scaling_factor,
             ex.gate_up_proj_scale_inv if fp8 else None, ex.down_proj_scale_inv if fp8 else None,
-            *(() if self.first_expert is None else (self.first_expert,)),
+            self.first_expert, *self._shared_weights(),
         )
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
         return all_reduce(out, self.ps)
+
+    def _shared_weights(self) -> tuple:
+        """The shared experts for the op (it adds their MLP to the routed sum, and a backend may
+        run them inside its routed kernels): gate, up, down weights, then their fp8 block scales
+        (Nones for plain linears); empty without shared experts."""
+        if self.shared_experts is None:
+            return ()
+        projs = (self.shared_experts.gate_proj, self.shared_experts.up_proj, self.shared_experts.down_proj)
+        return (*(p.weight for p in projs), *(getattr(p, "weight_scale_inv", None) for p in projs))
 
 
 class DecoderLayer(nn.Module):

@@ -11,9 +11,11 @@ weights are dequantized per call (the stored copy stays fp8). Where ``F.grouped_
 run (CPU on an older torch) CPU loops over the groups; CUDA without it (float32) takes the
 all-experts path, which needs no host sync either.
 
-Shared experts stay in the model (an MLP): folding them into this call as an expert every
-token picks would save two GEMM launches per layer, which CUDA graphs already make cheap, and
-would need their weights stacked with the routed ones (or a second weight argument).
+Shared experts may come in the same call (``shared_gate_proj`` / ``shared_up_proj`` /
+``shared_down_proj``, the model's MLP weights as stored, fp8 with their scales): the result is
+then the routed sum plus the shared MLP, rounded as the model's ``routed + shared`` is. Here
+they run as the MLP would (three linears); a backend may fold them into its routed kernels where
+that pays (the triton backend's decode-sized path runs them as extra pairs of its GEMVs).
 
 :func:`route` reproduces transformers' ``DeepseekV2TopkRouter`` (softmax scores, "greedy" or
 "group_limited_greedy") and ``DeepseekV3TopkRouter`` (sigmoid scores, "noaux_tc") with the same
@@ -175,6 +177,72 @@ def _check_moe(
     )
 
 
+SHARED_ARGS = ("shared_gate_proj", "shared_up_proj", "shared_down_proj")
+SHARED_SCALE_ARGS = ("shared_gate_scale", "shared_up_scale", "shared_down_scale")
+
+
+def _check_all_or_none(op: str, names: tuple, values: tuple, why: str) -> bool:
+    """True if all are given, False if none; else fails naming the first missing one."""
+    given = [n for n, v in zip(names, values) if v is not None]
+    if given and len(given) < len(names):
+        missing = next(n for n, v in zip(names, values) if v is None)
+        fail(op, missing, f"a Tensor, since '{given[0]}' is given ({why})", "None")
+    return bool(given)
+
+
+def _check_shared(op, hidden, gate, up, down, gate_scale, up_scale, down_scale) -> None:
+    """Shared experts: gate / up [I_s, D] and down [D, I_s] in hidden's dtype, or e4m3 with
+    their 128x128 block scales (all three or none); scales only with weights."""
+    weights, scales = (gate, up, down), (gate_scale, up_scale, down_scale)
+    has_scales = _check_all_or_none(op, SHARED_SCALE_ARGS, scales, "fp8 shared experts need all three scales")
+    if not _check_all_or_none(op, SHARED_ARGS, weights, "shared experts need gate, up and down"):
+        if has_scales:
+            fail(op, "shared_gate_scale", "None when no shared experts are given", "a Tensor")
+        return
+    dim, dev = hidden.shape[1], hidden.device
+    check_tensor(op, "shared_gate_proj", gate, ndim=2, device=dev)
+    inter = gate.shape[0]
+    shapes = {"shared_gate_proj": (inter, dim), "shared_up_proj": (inter, dim), "shared_down_proj": (dim, inter)}
+    for (name, shape), w, scale_name, scale in zip(shapes.items(), weights, SHARED_SCALE_ARGS, scales):
+        if has_scales:
+            check_block_scaled(op, name, w, scale_name, scale, shape=shape, device=dev)
+        else:
+            check_tensor(op, name, w, shape=shape, device=dev)
+            check_same_dtype(op, name, w, "hidden", hidden)
+
+
+def check_moe_call(hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
+                   topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor, gate_up_scale=None,
+                   down_scale=None, first_expert=None, shared_gate_proj=None, shared_up_proj=None,
+                   shared_down_proj=None, shared_gate_scale=None, shared_up_scale=None, shared_down_scale=None):
+    """The ``moe`` op's argument check, taking the op's own arguments (its fakes and twins share it)."""
+    _check_moe(
+        hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
+        topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale, first_expert,
+    )
+    _check_shared("moe", hidden, shared_gate_proj, shared_up_proj, shared_down_proj, shared_gate_scale,
+                  shared_up_scale, shared_down_scale)
+
+
+def shared_experts(hidden, gate, up, down, gate_scale=None, up_scale=None, down_scale=None,
+                   activate=None) -> torch.Tensor:
+    """The shared experts' MLP: hidden [T, D] -> down(silu(gate hidden) * up hidden) [T, D] in
+    hidden's dtype. Each projection in hidden's dtype (float32 accumulation; fp8 weights through
+    ``mlagraph.fp8_linear``, as the model's fp8 linears run), silu * up in float32 rounded once
+    (as torch.compile computes the model's MLP). ``activate(gate, up, dtype)``: a backend's fused
+    silu * up (default :func:`silu_mul_apart`)."""
+    def linear(x, w, scale):
+        return F.linear(x, w) if scale is None else torch.ops.mlagraph.fp8_linear(x, w, scale)
+
+    act = (activate or silu_mul_apart)(linear(hidden, gate, gate_scale), linear(hidden, up, up_scale), hidden.dtype)
+    return linear(act, down, down_scale)
+
+
+def silu_mul_apart(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """gate, up [rows, I] -> silu(gate) * up in float32, rounded to dtype."""
+    return (F.silu(gate.float()) * up.float()).to(dtype)
+
+
 def _expert_weights(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale):
     """The experts in hidden's dtype: fp8 ones dequantized (per call; the stored copy stays fp8)."""
     if gate_up_scale is None:
@@ -320,20 +388,31 @@ def _all_experts(hidden, weights, ids, gate_up_proj, down_proj, num_routed, firs
 def moe_all_experts(
     hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func, topk_method,
     n_group, topk_group, norm_topk_prob, routed_scaling_factor, gate_up_scale=None, down_scale=None,
-    first_expert=None,
+    first_expert=None, *shared,
 ) -> torch.Tensor:
     """The oracle: ``moe``'s arguments and result, computed by running every expert on every
     token (the implementation before grouping). Tests compare the op against it."""
-    _check_moe(
+    check_moe_call(
         hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
-        topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale, first_expert,
+        topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor, gate_up_scale, down_scale,
+        first_expert, *shared,
     )
     weights, ids = route(
         router_logits, e_score_correction_bias, top_k, scoring_func, topk_method, n_group, topk_group,
         norm_topk_prob, routed_scaling_factor,
     )
     gate_up, down = _expert_weights(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
-    return _all_experts(hidden, weights, ids, gate_up, down, router_logits.shape[1], first_expert)
+    out = _all_experts(hidden, weights, ids, gate_up, down, router_logits.shape[1], first_expert)
+    return with_shared(out, hidden, *shared)
+
+
+def with_shared(routed: torch.Tensor, hidden: torch.Tensor, gate=None, up=None, down=None, gate_scale=None,
+                up_scale=None, down_scale=None, activate=None) -> torch.Tensor:
+    """routed [T, D] in hidden's dtype, plus the shared experts' MLP when given (added in that
+    dtype, as the model's ``routed + shared``)."""
+    if gate is None:
+        return routed
+    return routed + shared_experts(hidden, gate, up, down, gate_scale, up_scale, down_scale, activate)
 
 
 @custom_op("mlagraph::moe", mutates_args=())
@@ -353,8 +432,14 @@ def moe(
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     first_expert: int | None = None,
+    shared_gate_proj: torch.Tensor | None = None,
+    shared_up_proj: torch.Tensor | None = None,
+    shared_down_proj: torch.Tensor | None = None,
+    shared_gate_scale: torch.Tensor | None = None,
+    shared_up_scale: torch.Tensor | None = None,
+    shared_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routed experts of a DeepSeek MoE layer (no shared experts), grouped by expert.
+    """A DeepSeek MoE layer: the routed experts, grouped by expert, plus the shared experts if given.
 
     Args:
         hidden: [T, D] float32/bfloat16/float16.
@@ -372,23 +457,33 @@ def moe(
             weights hold experts first_expert .. first_expert + E_local - 1 of the E that
             ``router_logits`` scores, and the result is their share (the ranks' results sum
             to the whole layer's).
+        shared_gate_proj, shared_up_proj: None, or the shared experts' [I_s, D] gate and up
+            weights (the model's MLP, n_shared_experts * I wide, or a tensor-parallel rank's
+            slice of it); shared_down_proj: [D, I_s]. In hidden's dtype, or e4m3 with
+            shared_gate_scale / shared_up_scale / shared_down_scale, their float32 128x128
+            block scales. All three weights or none.
 
     Returns:
         [T, D] in hidden's dtype: sum over the routed experts e of
         weight[t, e] * down_e(silu(gate_e h) * up_e h): the expert matmuls in hidden's dtype
         (float32 accumulation; fp8 experts dequantized to it per call), the activation and the
-        sum over experts in float32.
+        sum over experts in float32, rounded to hidden's dtype; then, with shared experts, plus
+        :func:`shared_experts` (rounded to hidden's dtype, added in it).
     """
-    _check_moe(
+    check_moe_call(
         hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
-        topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale, first_expert,
+        topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor, gate_up_scale, down_scale,
+        first_expert, shared_gate_proj, shared_up_proj, shared_down_proj, shared_gate_scale, shared_up_scale,
+        shared_down_scale,
     )
     weights, ids = route(
         router_logits, e_score_correction_bias, top_k, scoring_func, topk_method, n_group, topk_group,
         norm_topk_prob, routed_scaling_factor,
     )
-    return routed_grouped(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale,
-                          router_logits.shape[1], first_expert)
+    out = routed_grouped(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale,
+                         router_logits.shape[1], first_expert)
+    return with_shared(out, hidden, shared_gate_proj, shared_up_proj, shared_down_proj, shared_gate_scale,
+                       shared_up_scale, shared_down_scale)
 
 
 def routed_grouped(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, num_routed,
@@ -408,13 +503,7 @@ def routed_grouped(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale,
 
 
 @moe.register_fake
-def moe_fake(
-    hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
-    topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor, gate_up_scale=None, down_scale=None,
-    first_expert=None,
-):
-    _check_moe(
-        hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
-        topk_method, n_group, topk_group, routed_scaling_factor, gate_up_scale, down_scale, first_expert,
-    )
+def moe_fake(*args, **kwargs):
+    check_moe_call(*args, **kwargs)
+    hidden = args[0] if args else kwargs["hidden"]
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)

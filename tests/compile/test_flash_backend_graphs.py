@@ -186,7 +186,7 @@ v1 = mlagraph_flashmla.mla_decode(q_nope=v0.0~, q_pe=v0.0~, kv_cache=in10', bloc
 inputs: 5 tensors
 # mlp (moe): layer 1
 inputs: 9 tensors
-v0 = mlagraph_triton.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+v0 = mlagraph_triton.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, gate_up_scale=None, down_scale=None, first_expert=None, shared_gate_proj=in6, shared_up_proj=in7, shared_down_proj=in8)
 # head
 inputs: 4 tensors""")
     tc.assertExpectedInline(graphs["fake_flashinfer"], """\
@@ -200,7 +200,7 @@ v1 = mlagraph_flashinfer.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in10', block_
 inputs: 5 tensors
 # mlp (moe): layer 1
 inputs: 9 tensors
-v0 = mlagraph_triton.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+v0 = mlagraph_triton.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, gate_up_scale=None, down_scale=None, first_expert=None, shared_gate_proj=in6, shared_up_proj=in7, shared_down_proj=in8)
 # head
 inputs: 4 tensors""")
 

@@ -154,7 +154,7 @@ v2 = mlagraph.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in12, cu_seqlens_k=in1
 inputs: 5 tensors
 # mlp (moe): layer 1
 inputs: 9 tensors
-v0 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+v0 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, gate_up_scale=None, down_scale=None, first_expert=None, shared_gate_proj=in6, shared_up_proj=in7, shared_down_proj=in8)
 # head
 inputs: 4 tensors""")
 
@@ -171,7 +171,7 @@ v2 = mlagraph.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in16, cu_seqlens_k=in1
 v3 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in33!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
 v4 = aten.cat([_, v3.1~], -1)
 v5 = mlagraph.mha_prefill(q=v3.0, k=v4, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)
-v6 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in38, down_proj=in39, e_score_correction_bias=in40, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)""")
+v6 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in38, down_proj=in39, e_score_correction_bias=in40, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, gate_up_scale=None, down_scale=None, first_expert=None, shared_gate_proj=in41, shared_up_proj=in42, shared_down_proj=in43)""")
 
     def test_v3_two_layers_decode_after(self):
         _, after = _graphs(_model("v3", 2), "decode")
@@ -186,7 +186,7 @@ v1 = mlagraph.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in10', block_table=in12,
 inputs: 5 tensors
 # mlp (moe): layer 1
 inputs: 9 tensors
-v0 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+v0 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, gate_up_scale=None, down_scale=None, first_expert=None, shared_gate_proj=in6, shared_up_proj=in7, shared_down_proj=in8)
 # head
 inputs: 4 tensors""")
 
@@ -208,7 +208,7 @@ v5 = mlagraph.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in10', topk_indices=v4, r
 inputs: 5 tensors
 # mlp (moe): layer 1
 inputs: 9 tensors
-v0 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+v0 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, gate_up_scale=None, down_scale=None, first_expert=None, shared_gate_proj=in6, shared_up_proj=in7, shared_down_proj=in8)
 # head
 inputs: 4 tensors""")
 
@@ -230,7 +230,7 @@ v5 = mlagraph.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in10', topk_indices=v4, r
 inputs: 5 tensors
 # mlp (moe): layer 1
 inputs: 9 tensors
-v0 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+v0 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, gate_up_scale=None, down_scale=None, first_expert=None, shared_gate_proj=in6, shared_up_proj=in7, shared_down_proj=in8)
 # head
 inputs: 4 tensors""")
 
@@ -254,7 +254,7 @@ v4 = mlagraph.mha_prefill(q=v0.0, k=v3, v=_, cu_seqlens_q=in16, cu_seqlens_k=in1
 inputs: 5 tensors
 # mlp (moe): layer 1
 inputs: 9 tensors
-v0 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+v0 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in3, down_proj=in4, e_score_correction_bias=in5, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, gate_up_scale=None, down_scale=None, first_expert=None, shared_gate_proj=in6, shared_up_proj=in7, shared_down_proj=in8)
 # head
 inputs: 4 tensors""")
 

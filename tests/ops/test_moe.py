@@ -496,3 +496,156 @@ def test_expert_shard_bad_first_expert(first, count):
     else:
         shard = _expert_shard(args, 0, count)[:-1] + (first,)  # 4 experts, said to start at first
     helpers.assert_value_error(moe_op, shard, helpers.arg_error("first_expert"))
+
+
+# ---------------------------------------------------------------------------------------------
+# shared experts in the same call
+
+
+def random_shared(D_, I_s, dtype=torch.float32, fp8=False, seed=1):
+    """The op's six shared-expert arguments: gate / up [I_s, D], down [D, I_s] (e4m3 + their
+    block scales if fp8, else the scales None)."""
+    g = torch.Generator().manual_seed(seed)
+    gate, up = (torch.randn(I_s, D_, generator=g) * D_**-0.5 for _ in range(2))
+    down = torch.randn(D_, I_s, generator=g) * I_s**-0.5
+    if not fp8:
+        return gate.to(dtype), up.to(dtype), down.to(dtype), None, None, None
+    (gate, gs), (up, us), (down, ds) = (quantize_blockwise(w) for w in (gate, up, down))
+    return gate, up, down, gs, us, ds
+
+
+def loop_shared(hidden, gate, up, down):
+    """float64: down(silu(gate h) * up h) for every token."""
+    h = hidden.double()
+    g, u = h @ gate.double().T, h @ up.double().T
+    return (g * torch.sigmoid(g) * u) @ down.double().T
+
+
+def _dequantized_shared(shared):
+    gate, up, down, *scales = shared
+    if scales[0] is None:
+        return gate, up, down
+    return tuple(dequantize_blockwise(w, s, torch.float32) for w, s in zip((gate, up, down), scales))
+
+
+def with_shared_args(args, shared, first_expert=None):
+    """moe's arguments (routed, 14 of them) followed by first_expert and the shared experts."""
+    return (*args[:14], *(None,) * (14 - len(args[:14])), first_expert, *shared)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_shared_experts_add_their_mlp(dtype, tol, num_tokens, fp8):
+    """With shared experts the op is the routed experts plus the shared MLP (float64 loops,
+    fp8 weights as their blocks stand for), and the all-experts oracle agrees."""
+    d, i = (FP8_D, FP8_I) if fp8 else (HIDDEN, INTER)
+    args = random_moe_args(num_tokens, E, d, i, ROUTINGS[3], dtype, fp8=fp8)
+    shared = random_shared(d, 2 * i, dtype, fp8)
+    out = moe_op(*with_shared_args(args, shared))
+    assert out.dtype == dtype and out.shape == (num_tokens, d)
+    routed = [args[2], args[3]] if not fp8 else [dequantize_blockwise(args[2], args[12], torch.float32),
+                                                 dequantize_blockwise(args[3], args[13], torch.float32)]
+    want = loop_moe(args[0], *routed, *route(args[1], *args[4:12])) + loop_shared(args[0], *_dequantized_shared(shared))
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    oracle = moe_all_experts(*with_shared_args(args, shared))
+    torch.testing.assert_close(out.float(), oracle.float(), rtol=tol, atol=tol * oracle.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_experts_round_as_the_model_adds(dtype):
+    """The op's result is routed + shared, each rounded to hidden's dtype and added in it (the
+    model's ``routed + shared`` before the fold): bit for bit against the two computed apart."""
+    args = random_moe_args(6, E, HIDDEN, INTER, ROUTINGS[1], dtype)
+    shared = random_shared(HIDDEN, INTER, dtype)
+    apart = moe_op(*args[:12]) + moe_module.shared_experts(args[0], *shared)
+    torch.testing.assert_close(moe_op(*with_shared_args(args, shared)), apart, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("routing", [ROUTINGS[1], ROUTINGS[3]], ids=["v2", "v3"])
+def test_moe_with_shared_matches_transformers_block(routing):
+    """transformers' whole MoE block (gate -> experts + shared experts) from one call."""
+    m = hf_moe(*routing[1:])
+    hidden = torch.randn(T, HIDDEN)
+    s = m.shared_experts
+    shared = (s.gate_proj.weight.detach(), s.up_proj.weight.detach(), s.down_proj.weight.detach())
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = m(hidden[None])[0]
+    out = moe_op(*moe_args(m, hidden, routing), None, None, None, *shared)
+    torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5 * full.abs().max().item())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_expert_shards_with_shared_slices_sum_to_the_whole_layer(ranks, fp8):
+    """Expert parallel: each rank runs its experts and its 1/ranks of the shared width (gate and
+    up rows, down columns; whole 128-blocks for fp8); the shares sum to the whole layer."""
+    d, i = (FP8_D, 128) if fp8 else (HIDDEN, INTER)
+    args = random_moe_args(5, E, d, i, ROUTINGS[3], fp8=fp8)
+    width = 128 * ranks if fp8 else 4 * ranks
+    gate, up, down, gs, us, ds = random_shared(d, width, fp8=fp8)
+    whole = moe_op(*with_shared_args(args, (gate, up, down, gs, us, ds)))
+    local, cut = E // ranks, width // ranks
+    shares = []
+    for r in range(ranks):
+        rows = slice(r * cut, (r + 1) * cut)
+        blocks = slice(r * cut // 128, (r + 1) * cut // 128) if fp8 else None
+        sliced = (gate[rows], up[rows], down[:, rows].contiguous(),
+                  *((gs[blocks], us[blocks], ds[:, blocks].contiguous()) if fp8 else (None,) * 3))
+        shard = _expert_shard(args, r * local, local)
+        shares.append(moe_op(*with_shared_args(shard[:14], sliced, shard[14])))
+    torch.testing.assert_close(sum(shares), whole, rtol=1e-4, atol=1e-4 * whole.abs().max().item())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+def test_moe_opcheck_with_shared(fp8):
+    d, i = (FP8_D, FP8_I) if fp8 else (HIDDEN, INTER)
+    args = random_moe_args(4, E, d, i, ROUTINGS[3], torch.bfloat16, fp8=fp8)
+    helpers.opcheck(moe_op, with_shared_args(args, random_shared(d, 2 * i, torch.bfloat16, fp8)))
+
+
+def _shared_error_cases():
+    args = random_moe_args(4, E, HIDDEN, INTER, ROUTINGS[3])
+    gate, up, down, *_ = random_shared(HIDDEN, 12)  # I_s = 12 != D = 16: a transpose is caught
+    fp8_args = random_moe_args(4, E, FP8_D, FP8_I, ROUTINGS[3], fp8=True)
+    f_gate, f_up, f_down, gs, us, ds = random_shared(FP8_D, FP8_I, fp8=True)
+
+    def call(*shared, routed=args):
+        return with_shared_args(routed, shared + (None,) * (6 - len(shared)))
+
+    def fp8_call(*shared):
+        return call(*shared, routed=fp8_args)
+
+    return [
+        ("shared_up_proj", call(gate, None, down)),  # one weight missing
+        ("shared_down_proj", call(gate, up, None)),
+        ("shared_gate_scale", call(None, None, None, gs, us, ds)),  # scales, no weights
+        ("shared_gate_proj", call(gate[None], up, down)),  # not 2-D
+        ("shared_gate_proj", call(gate[:, :-1], up, down)),  # D mismatch
+        ("shared_up_proj", call(gate, up[:-1], down)),  # I_s mismatch
+        ("shared_down_proj", call(gate, up, down.T.contiguous())),
+        ("shared_up_proj", call(gate, up.double(), down)),  # dtype is not hidden's
+        ("shared_gate_proj", call(gate.to("meta"), up, down)),
+        ("shared_down_scale", fp8_call(f_gate, f_up, f_down, gs, us, None)),  # one scale missing
+        ("shared_gate_proj", fp8_call(f_gate.float(), f_up, f_down, gs, us, ds)),  # scales, weights not fp8
+        ("shared_up_scale", fp8_call(f_gate, f_up, f_down, gs, us[:-1], ds)),  # one 128-block short
+        ("shared_down_scale", fp8_call(f_gate, f_up, f_down, gs, us, ds.double())),
+        ("shared_gate_proj", fp8_call(f_gate, f_up, f_down)),  # fp8 weights without scales
+    ]
+
+
+@pytest.mark.parametrize("arg,args", _shared_error_cases())
+def test_moe_bad_shared_input(arg, args):
+    helpers.assert_value_error(moe_op, args, helpers.arg_error(arg))
+
+
+def test_moe_bad_shared_input_corrupts_nothing():
+    """A failed call leaves its inputs as they were."""
+    args = random_moe_args(4, E, HIDDEN, INTER, ROUTINGS[3])
+    gate, up, down, *_ = random_shared(HIDDEN, 2 * INTER)
+    before = [a.clone() for a in (args[0], gate, up, down)]
+    with pytest.raises(ValueError):
+        moe_op(*with_shared_args(args, (gate, up[:-1], down, None, None, None)))
+    for a, b in zip((args[0], gate, up, down), before):
+        assert torch.equal(a, b)

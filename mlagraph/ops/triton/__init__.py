@@ -61,10 +61,7 @@ _OPS = {
     "csa_attention": ("sink_attention", _swa._check_csa, _swa._csa_attention_fake),
     "compressor_update": ("compressor", _compressor._check_compressor, _compressor._compressor_update_fake),
     "csa_indexer_topk": ("indexer", _compressor._check_indexer, _compressor._csa_indexer_topk_fake),
-    "moe": ("moe", lambda hidden, logits, gate_up, down, bias, top_k, scoring, method, n_group, topk_group, norm,
-            scaling, gate_up_scale=None, down_scale=None, first_expert=None: _moe._check_moe(
-                hidden, logits, gate_up, down, bias, top_k, scoring, method, n_group, topk_group, scaling,
-                gate_up_scale, down_scale, first_expert), _moe.moe_fake),
+    "moe": ("moe", _moe.check_moe_call, _moe.moe_fake),
 }
 
 

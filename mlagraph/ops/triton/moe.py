@@ -48,7 +48,7 @@ from ._hardware import interpreted
 from ._launch import check_runnable
 from .grouped_fp8 import config_for as grouped_config
 from .grouped_fp8 import run_tiles
-from .moe_glue import combine_rows, silu_mul, unsort_combine
+from .moe_glue import combine_rows, silu_mul, silu_mul_apart, unsort_combine
 from .moe_sort import ONE_PROGRAM_MAX_PAIRS, sort_pairs
 from .route import route
 
@@ -94,51 +94,73 @@ def _tile_dot(w_rows, s_rows, vec, k0, K, row_ok, FP8: tl.constexpr, KB: tl.cons
 
 
 @triton.jit
-def _gate_up_kernel(
-    x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, D, I, first_expert, num_local,
-    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_at,
-    TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, KC: tl.constexpr,
-):
-    p = tl.program_id(0)
-    nb = tl.program_id(1)
+def _silu_up(gate_w, up_w, gate_s, up_s, x_row, D, row_ok, FP8: tl.constexpr, KB: tl.constexpr, KC: tl.constexpr,
+             OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """silu(gate) * up for BLOCK_N rows of one expert's gate and up weights times one token ->
+    [BLOCK_N] float32; gate and up each rounded to OUT_DTYPE first, as a GEMM's output is."""
+    gate = tl.zeros([BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, D, KB * KC):
+        gate += _tile_dot(gate_w, gate_s, x_row, k0, D, row_ok, FP8, KB, KC, OUT_DTYPE)
+        up += _tile_dot(up_w, up_s, x_row, k0, D, row_ok, FP8, KB, KC, OUT_DTYPE)
+    gate = gate.to(OUT_DTYPE).to(tl.float32)
+    up = up.to(OUT_DTYPE).to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def _routed_gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, p, cols, col_ok, D, I, first_expert, num_local,
+                    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_at,
+                    TOP_K: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
+                    KC: tl.constexpr):
+    """Pair p = (token p // TOP_K, its expert ids[p]): act[p, cols] (nothing for another rank's expert)."""
     e, here = _expert_of(ids_ptr, p, first_expert, num_local)
-    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < I
     if here:
         t = p // TOP_K
-        x_row = x_ptr + t.to(tl.int64) * stride_xt
         w_base = w_ptr + e.to(tl.int64) * stride_we
         s_base = s_ptr + e.to(tl.int64) * stride_se
         rows = cols[:, None, None]
-        row_ok = col_ok[:, None, None]
-        gate_w = w_base + rows.to(tl.int64) * stride_wn
-        up_w = w_base + (I + rows).to(tl.int64) * stride_wn
-        gate_s = s_base + (rows // 128) * stride_sn
-        up_s = s_base + ((I + rows) // 128) * stride_sn
-        out_dtype = x_ptr.dtype.element_ty
-        gate = tl.zeros([BLOCK_N], tl.float32)
-        up = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, D, KB * KC):
-            gate += _tile_dot(gate_w, gate_s, x_row, k0, D, row_ok, FP8, KB, KC, out_dtype)
-            up += _tile_dot(up_w, up_s, x_row, k0, D, row_ok, FP8, KB, KC, out_dtype)
-        # The grouped GEMM hands back gate and up in hidden's dtype: round as it does.
-        gate = gate.to(out_dtype).to(tl.float32)
-        up = up.to(out_dtype).to(tl.float32)
-        act = gate / (1.0 + tl.exp(-gate)) * up
+        act = _silu_up(w_base + rows.to(tl.int64) * stride_wn, w_base + (I + rows).to(tl.int64) * stride_wn,
+                       s_base + (rows // 128) * stride_sn, s_base + ((I + rows) // 128) * stride_sn,
+                       x_ptr + t.to(tl.int64) * stride_xt, D, col_ok[:, None, None], FP8, KB, KC,
+                       x_ptr.dtype.element_ty, BLOCK_N)
         tl.store(act_ptr + p.to(tl.int64) * stride_at + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
-def _down_kernel(
-    act_ptr, ids_ptr, w_ptr, s_ptr, y_ptr, D, I, first_expert, num_local,
-    stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
-    FP8: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, KC: tl.constexpr,
+def _gate_up_kernel(
+    x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, D, I, first_expert, num_local,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_at,
+    sg_ptr, su_ptr, sgs_ptr, sus_ptr, I_S, num_pairs, stride_sg, stride_su, stride_sgs, stride_sus,
+    TOP_K: tl.constexpr, FP8: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
+    KC: tl.constexpr,
 ):
     p = tl.program_id(0)
-    nb = tl.program_id(1)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    if p >= num_pairs:
+        # Shared experts (none: num_pairs is the grid's size): program row q = t * CHUNKS + c
+        # computes the shared MLP's intermediate columns c*I .. c*I + I - 1 (of I_S) for token t.
+        q = p - num_pairs
+        t = q // CHUNKS
+        r = (q % CHUNKS) * I + cols
+        rows = r[:, None, None]
+        act = _silu_up(sg_ptr + rows.to(tl.int64) * stride_sg, su_ptr + rows.to(tl.int64) * stride_su,
+                       sgs_ptr + (rows // 128) * stride_sgs, sus_ptr + (rows // 128) * stride_sus,
+                       x_ptr + t.to(tl.int64) * stride_xt, D, (col_ok & (r < I_S))[:, None, None], FP8, KB, KC,
+                       x_ptr.dtype.element_ty, BLOCK_N)
+        tl.store(act_ptr + p.to(tl.int64) * stride_at + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
+    else:
+        _routed_gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, p, cols, col_ok, D, I, first_expert, num_local,
+                        stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_at, TOP_K, FP8, BLOCK_N, KB, KC)
+
+
+@triton.jit
+def _routed_down(act_ptr, ids_ptr, w_ptr, s_ptr, y_ptr, p, cols, col_ok, D, I, first_expert, num_local,
+                 stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
+                 FP8: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, KC: tl.constexpr):
+    """y[p, cols] = down_e @ act[p], rounded to act's dtype as the grouped GEMM's output is."""
     e, here = _expert_of(ids_ptr, p, first_expert, num_local)
-    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < D
     if here:
         a_row = act_ptr + p.to(tl.int64) * stride_at
         rows = cols[:, None, None]
@@ -148,8 +170,37 @@ def _down_kernel(
         y = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, I, KB * KC):
             y += _tile_dot(w_rows, s_rows, a_row, k0, I, col_ok[:, None, None], FP8, KB, KC, out_dtype)
-        y = y.to(out_dtype).to(tl.float32)  # the grouped GEMM's output dtype
+        y = y.to(out_dtype).to(tl.float32)
         tl.store(y_ptr + p.to(tl.int64) * stride_yt + cols, y, mask=col_ok)
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, ids_ptr, w_ptr, s_ptr, y_ptr, D, I, first_expert, num_local,
+    stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
+    sd_ptr, sds_ptr, I_S, num_pairs, stride_sd, stride_sds,
+    FP8: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, KC: tl.constexpr,
+):
+    p = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < D
+    if p >= num_pairs:
+        # Shared chunk c (none: num_pairs is the grid's size): down's columns c*I .. c*I + I - 1,
+        # whose intermediate values are this program row's act. Left in float32: the combine
+        # sums a token's chunks and rounds once, as the shared MLP's one down GEMM does.
+        c0 = ((p - num_pairs) % CHUNKS) * I
+        rows = cols[:, None, None]
+        w_rows = sd_ptr + rows.to(tl.int64) * stride_sd + c0
+        s_rows = sds_ptr + (rows // 128) * stride_sds + c0 // 128  # fp8: the launcher keeps I whole blocks
+        a_row = act_ptr + p.to(tl.int64) * stride_at
+        y = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, I, KB * KC):
+            y += _tile_dot(w_rows, s_rows, a_row, k0, tl.minimum(I, I_S - c0), col_ok[:, None, None], FP8, KB, KC,
+                           act_ptr.dtype.element_ty)
+        tl.store(y_ptr + p.to(tl.int64) * stride_yt + cols, y, mask=col_ok)
+    else:
+        _routed_down(act_ptr, ids_ptr, w_ptr, s_ptr, y_ptr, p, cols, col_ok, D, I, first_expert, num_local,
+                     stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt, FP8, BLOCK_N, KB, KC)
 
 
 def default_config(pairs: int, fp8: bool) -> dict:
@@ -183,12 +234,13 @@ def path_for(num_tokens: int, top_k: int, num_experts: int, fp8: bool) -> str:
 
 
 def grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert=None, gate_up_scale=None,
-                   down_scale=None, config: dict | None = None) -> torch.Tensor:
+                   down_scale=None, config: dict | None = None, shared_out: torch.Tensor | None = None) -> torch.Tensor:
     """The sorted path in five launches after routing: the pairs sorted by expert and the tile
     schedule in one (:func:`.moe_sort.sort_pairs`), our grouped GEMM reading each sorted row's
     token from ``hidden`` directly (no sorted copy), silu * up, the down GEMM, and the unsort +
     weighted sum (:mod:`.moe_glue`). bf16 or fp8 experts (W8A16: each expert's e4m3 weights read
-    once). ``config``: the GEMMs' tile overrides (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    once). ``config``: the GEMMs' tile overrides (BLOCK_M, BLOCK_N, num_warps, num_stages).
+    ``shared_out``: the shared experts' [T, D] output, added by the combine, or None."""
     num_tokens, top_k = ids.shape
     num_local, two_inter = gate_up_proj.shape[:2]
     pairs = num_tokens * top_k
@@ -200,34 +252,56 @@ def grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert=N
                         top_k=top_k)
     act = silu_mul(gate_up, hidden.dtype)
     y = run_tiles(act, down_proj, down_scale, sort.schedule, pairs, down_cfg)
-    return combine_rows(y, sort.row_of, weights, sort.remote if first_expert is not None else None, hidden.dtype)
+    return combine_rows(y, sort.row_of, weights, sort.remote if first_expert is not None else None, hidden.dtype,
+                        shared=shared_out)
 
 
 def sorted_generic(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, num_routed,
-                   first_expert=None) -> torch.Tensor:
+                   first_expert=None, shared_out: torch.Tensor | None = None) -> torch.Tensor:
     """The generic op's grouped path (``F.grouped_mm`` for bf16 experts, the grouped fp8 kernel
     for fp8 ones) behind our sort in place of torch's: :func:`.moe_sort.sort_pairs` gives the
     rows' order, the group ends the GEMMs take, and each pair's row for the combine, in one to
     three launches where torch's sort takes about ten (a stable radix argsort whose host side
     alone took about 100 us a layer in a profiled 1K-token V2-Lite prefill on the H200, a
     histogram, a cumsum, the inverse permutation). Same rows, same order, same GEMMs: the
-    generic path's result. Where the generic op has no grouped GEMM (CUDA float32) it runs as is."""
+    generic path's result. Where the generic op has no grouped GEMM (CUDA float32) it runs as is.
+    ``shared_out``: the shared experts' [T, D] output, added as the combine's last step, or None."""
     gemms = _generic._grouped_gemms(hidden, gate_up_proj, down_proj, gate_up_scale, down_scale)
     if gemms is None:
-        return _generic.routed_grouped(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale,
-                                       num_routed, first_expert, activate=silu_mul, combine=unsort_combine)
+        out = _generic.routed_grouped(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale,
+                                      num_routed, first_expert, activate=silu_mul, combine=unsort_combine)
+        return out if shared_out is None else out + shared_out
     gate_up_mm, down_mm = gemms
     top_k = ids.shape[1]
     sort = sort_pairs(ids, gate_up_proj.shape[0], None, first_expert)  # these GEMMs take group ends, no tiles
     x = hidden.index_select(0, sort.order // top_k)  # [T*k, D], sorted rows
     y = down_mm(silu_mul(gate_up_mm(x, sort.group_end), hidden.dtype), sort.group_end)
-    return combine_rows(y, sort.row_of, weights, sort.remote if first_expert is not None else None, hidden.dtype)
+    return combine_rows(y, sort.row_of, weights, sort.remote if first_expert is not None else None, hidden.dtype,
+                        shared=shared_out)
+
+
+def shared_folds(shared: tuple | None, inter: int, fp8: bool) -> bool:
+    """Whether the pair kernels can run these shared experts (gate, up, down, and their scales
+    or Nones) as extra program rows: stored as the routed experts are (both fp8 or neither),
+    rows contiguous, and, for fp8 cut into chunks of the routed width, chunks of whole 128-column
+    scale blocks."""
+    if shared is None:
+        return False
+    gate, up, down, gate_scale = shared[:4]
+    if (gate_scale is not None) != fp8 or any(w.stride(1) != 1 for w in (gate, up, down)):
+        return False
+    return not fp8 or inter % SCALE_BLOCK == 0 or gate.shape[0] <= inter
 
 
 def routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, first_expert,
-                   config: dict | None = None) -> torch.Tensor:
+                   config: dict | None = None, shared: tuple | None = None,
+                   shared_out: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [T, D], weights [T, k] float32, ids [T, k] int64 (global expert ids) -> [T, D]:
-    the routed experts' weighted sum, by the three kernels above."""
+    the routed experts' weighted sum, by the three kernels above. ``shared``: None, or the
+    shared experts (gate [I_s, D], up, down [D, I_s], gate / up / down scales or None), run as
+    ceil(I_s / I) extra program rows a token in both GEMV kernels (:func:`shared_folds` must
+    hold) and added by the combine: the ``moe`` op's result with shared experts. ``shared_out``:
+    or their output [T, D], computed elsewhere, for the combine to add."""
     check_runnable("moe", _gate_up_kernel, hidden)
     num_tokens, dim = hidden.shape
     top_k = ids.shape[1]
@@ -255,37 +329,67 @@ def routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale,
     s1 = gate_up_scale if fp8 else w1.new_empty((1, 1, 1), dtype=torch.float32)
     s2 = down_scale if fp8 else w1.new_empty((1, 1, 1), dtype=torch.float32)
     first = 0 if first_expert is None else int(first_expert)
-    act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    y = torch.empty(pairs, dim, dtype=torch.float32, device=hidden.device)
-    _gate_up_kernel[(pairs, triton.cdiv(inter, block_n))](
+    if shared is None:  # no shared rows: the kernels' shared branch never runs (p < pairs)
+        chunks, inter_s, (sg, su, sd, sgs, sus, sds) = 1, 0, (w1, w1, w2, s1, s1, s2)
+    else:
+        if not shared_folds(shared, inter, fp8):
+            raise ValueError("mlagraph_triton.moe: these shared experts cannot run in the pair kernels "
+                             "(shared_folds is False)")
+        sg, su, sd, sgs, sus, sds = shared
+        inter_s = sg.shape[0]
+        chunks = triton.cdiv(inter_s, inter)
+        if fp8:
+            sg, su, sd = sg.view(torch.uint8), su.view(torch.uint8), sd.view(torch.uint8)
+        else:
+            sgs = sus = sds = s1
+    rows = pairs + (0 if shared is None else num_tokens * chunks)  # program rows: pairs, then shared chunks
+    act = torch.empty(rows, inter, dtype=hidden.dtype, device=hidden.device)
+    y = torch.empty(rows, dim, dtype=torch.float32, device=hidden.device)
+    _gate_up_kernel[(rows, triton.cdiv(inter, block_n))](
         x, flat_ids, w1, s1, act, dim, inter, first, num_local,
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), act.stride(0),
-        TOP_K=top_k, FP8=fp8, BLOCK_N=block_n, KB=kb, KC=kc, num_warps=warps,
+        sg, su, sgs, sus, inter_s, pairs, sg.stride(0), su.stride(0), sgs.stride(0), sus.stride(0),
+        TOP_K=top_k, FP8=fp8, CHUNKS=chunks, BLOCK_N=block_n, KB=kb, KC=kc, num_warps=warps,
         **({} if stages is None else {"num_stages": stages}),
     )
-    _down_kernel[(pairs, triton.cdiv(dim, block_n))](
+    _down_kernel[(rows, triton.cdiv(dim, block_n))](
         act, flat_ids, w2, s2, y, dim, inter, first, num_local,
         act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        FP8=fp8, BLOCK_N=block_n, KB=kb, KC=kc, num_warps=warps,
+        sd, sds, inter_s, pairs, sd.stride(0), sds.stride(0),
+        FP8=fp8, CHUNKS=chunks, BLOCK_N=block_n, KB=kb, KC=kc, num_warps=warps,
         **({} if stages is None else {"num_stages": stages}),
     )
-    # y's rows are the pairs in order; with expert shards the ids tell this rank's pairs
-    return combine_rows(y, None, weights, None, hidden.dtype, flat_ids if first_expert is not None else None,
-                        first, num_local)
+    # y's rows are the pairs in order, then each token's shared chunks; with expert shards the
+    # ids tell this rank's pairs
+    return combine_rows(y[:pairs], None, weights, None, hidden.dtype,
+                        flat_ids if first_expert is not None else None, first, num_local,
+                        shared_out if shared is None else y[pairs:])
 
 
 def moe(hidden, router_logits, gate_up_proj, down_proj, e_score_correction_bias, top_k, scoring_func,
         topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor, gate_up_scale=None,
-        down_scale=None, first_expert=None):
+        down_scale=None, first_expert=None, *shared):
     """The triton backend's ``moe`` (arguments already checked by the generic op's check): the
     pair kernels for decode-sized batches, our sorted path for mid-sized ones, the generic
-    grouped path for prefill (:func:`path_for`)."""
+    grouped path for prefill (:func:`path_for`). Shared experts (``*shared``: the op's six
+    shared-expert arguments) run inside the pair kernels where :func:`shared_folds` says they
+    can; elsewhere as the generic op runs them (three GEMMs, our silu * up), their sum added by
+    the routed path's combine."""
     weights, ids = route(router_logits, e_score_correction_bias, top_k, scoring_func, topk_method, n_group,
                          topk_group, norm_topk_prob, routed_scaling_factor)
-    path = path_for(hidden.shape[0], top_k, router_logits.shape[1], gate_up_scale is not None)
+    shared = tuple(shared) + (None,) * (6 - len(shared))
+    shared = None if shared[0] is None else shared
+    fp8 = gate_up_scale is not None
+    path = path_for(hidden.shape[0], top_k, router_logits.shape[1], fp8)
+    if path == "pairs" and (shared is None or shared_folds(shared, gate_up_proj.shape[1] // 2, fp8)):
+        return routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, first_expert,
+                              shared=shared)
+    shared_out = None if shared is None else _generic.shared_experts(hidden, *shared, activate=silu_mul_apart)
     if path == "pairs":
-        return routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, first_expert)
+        return routed_experts(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, first_expert,
+                              shared_out=shared_out)
     if path == "triton_grouped":
-        return grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert, gate_up_scale, down_scale)
+        return grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert, gate_up_scale, down_scale,
+                              shared_out=shared_out)
     return sorted_generic(hidden, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale,
-                          router_logits.shape[1], first_expert)
+                          router_logits.shape[1], first_expert, shared_out=shared_out)

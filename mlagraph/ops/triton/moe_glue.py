@@ -21,26 +21,29 @@ from ._launch import check_runnable
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, act_ptr, I, stride_g, stride_a, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_ptr, up_ptr, act_ptr, I, stride_g, stride_u, stride_a, BLOCK: tl.constexpr):
     """Row r, columns [c*BLOCK, (c+1)*BLOCK): act = silu(gate) * up in float32, rounded."""
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
-    gate = tl.load(gate_up_ptr + r * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + r * stride_g + I + cols, mask=ok, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + r * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + r * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + r * stride_a + cols, act.to(act_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _unsort_combine_kernel(y_ptr, row_of_ptr, weights_ptr, remote_ptr, out_ptr, D, first_expert, num_local,
-                           stride_y, stride_o, TOP_K: tl.constexpr, ROWS_IN_ORDER: tl.constexpr,
-                           REMOTE: tl.constexpr, BLOCK_D: tl.constexpr):
+def _unsort_combine_kernel(y_ptr, row_of_ptr, weights_ptr, remote_ptr, shared_ptr, out_ptr, D, first_expert,
+                           num_local, stride_y, stride_s, stride_o, TOP_K: tl.constexpr,
+                           ROWS_IN_ORDER: tl.constexpr, REMOTE: tl.constexpr, SHARED_ROWS: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
     """Token t, columns [c*BLOCK_D, ...): out[t] = sum over slots j, in order, of
     weight[t, j] * y[row of pair t*k + j] in float32, rounded to out's dtype. The row is
     row_of[pair], or the pair itself (ROWS_IN_ORDER: the pair kernels' y). A pair of another
     rank's expert adds nothing: REMOTE 0 none are, 1 remote[pair] != 0 says so, 2 its expert
-    id (remote_ptr: the ids) is outside first_expert .. first_expert + num_local - 1."""
+    id (remote_ptr: the ids) is outside first_expert .. first_expert + num_local - 1.
+    SHARED_ROWS > 0: plus the shared experts, the float32 sum of rows t*SHARED_ROWS ..
+    of shared_ptr rounded to out's dtype, added in it (as the model's routed + shared)."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = cols < D
@@ -60,7 +63,14 @@ def _unsort_combine_kernel(y_ptr, row_of_ptr, weights_ptr, remote_ptr, out_ptr, 
             here = (e >= 0) & (e < num_local)
         if here:
             acc += w * tl.load(y_ptr + row * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    out_dtype = out_ptr.dtype.element_ty
+    if SHARED_ROWS > 0:
+        shared = tl.zeros([BLOCK_D], tl.float32)
+        for c in tl.static_range(SHARED_ROWS):
+            row = (t * SHARED_ROWS + c).to(tl.int64)
+            shared += tl.load(shared_ptr + row * stride_s + cols, mask=ok, other=0.0).to(tl.float32)
+        acc = acc.to(out_dtype).to(tl.float32) + shared.to(out_dtype).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, acc.to(out_dtype), mask=ok)
 
 
 def _block(n: int, kernel) -> int:
@@ -70,17 +80,22 @@ def _block(n: int, kernel) -> int:
 
 def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """gate_up [rows, 2I] -> silu(gate) * up [rows, I] in dtype (float32 math)."""
-    check_runnable("moe", _silu_mul_kernel, gate_up)
-    rows, two_inter = gate_up.shape
-    inter = two_inter // 2
-    act = torch.empty(rows, inter, dtype=dtype, device=gate_up.device)
+    inter = gate_up.shape[1] // 2
+    return silu_mul_apart(gate_up[:, :inter], gate_up[:, inter:], dtype)
+
+
+def silu_mul_apart(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """gate, up [rows, I] -> silu(gate) * up [rows, I] in dtype (float32 math), one launch."""
+    check_runnable("moe", _silu_mul_kernel, gate)
+    rows, inter = gate.shape
+    act = torch.empty(rows, inter, dtype=dtype, device=gate.device)
     if rows == 0 or inter == 0:
         return act
-    if gate_up.stride(1) != 1:
-        gate_up = gate_up.contiguous()
+    gate = gate if gate.stride(1) == 1 else gate.contiguous()
+    up = up if up.stride(1) == 1 else up.contiguous()
     block = _block(inter, _silu_mul_kernel)
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
-        gate_up, act, inter, gate_up.stride(0), act.stride(0), BLOCK=block, num_warps=4)
+        gate, up, act, inter, gate.stride(0), up.stride(0), act.stride(0), BLOCK=block, num_warps=4)
     return act
 
 
@@ -94,11 +109,14 @@ def unsort_combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, 
 
 
 def combine_rows(y: torch.Tensor, row_of: torch.Tensor | None, weights: torch.Tensor, remote, dtype,
-                 expert_ids: torch.Tensor | None = None, first_expert: int = 0, num_local: int = 0) -> torch.Tensor:
+                 expert_ids: torch.Tensor | None = None, first_expert: int = 0, num_local: int = 0,
+                 shared: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`unsort_combine` with each pair's row of y given: row_of [T*k] (pair -> row), or
     None where y's rows are the pairs in order (the pair kernels' output). Pairs another rank
     computes add nothing: ``remote`` [T*k] bool / uint8 marks them, or ``expert_ids`` [T*k] with
-    this rank's ``first_expert`` and ``num_local`` tells them; neither: every pair is here."""
+    this rank's ``first_expert`` and ``num_local`` tells them; neither: every pair is here.
+    ``shared``: None, or the shared experts' output as [T * c, D] rows (c per token, summed in
+    float32, rounded to dtype) added to the routed sum in dtype."""
     check_runnable("moe", _unsort_combine_kernel, y)
     num_tokens, top_k = weights.shape
     dim = y.shape[1]
@@ -114,8 +132,14 @@ def combine_rows(y: torch.Tensor, row_of: torch.Tensor | None, weights: torch.Te
         mode, marks = 2, expert_ids.reshape(-1).contiguous()
     else:
         mode, marks = 0, flat_w
+    shared_rows = 0
+    if shared is not None:
+        shared = shared if shared.stride(1) == 1 else shared.contiguous()
+        shared_rows = shared.shape[0] // num_tokens
     block = _block(dim, _unsort_combine_kernel)
     _unsort_combine_kernel[(num_tokens, triton.cdiv(dim, block))](
-        y, flat_w if row_of is None else row_of, flat_w, marks, out, dim, first_expert, num_local, y.stride(0),
-        out.stride(0), TOP_K=top_k, ROWS_IN_ORDER=row_of is None, REMOTE=mode, BLOCK_D=block, num_warps=4)
+        y, flat_w if row_of is None else row_of, flat_w, marks, y if shared is None else shared, out, dim,
+        first_expert, num_local, y.stride(0), 0 if shared is None else shared.stride(0), out.stride(0),
+        TOP_K=top_k, ROWS_IN_ORDER=row_of is None, REMOTE=mode, SHARED_ROWS=shared_rows, BLOCK_D=block,
+        num_warps=4)
     return out

@@ -14,7 +14,8 @@ from mlagraph.ops.moe import moe_all_experts, route
 from mlagraph.ops.triton import moe as triton_moe
 from tests import helpers
 from tests.helpers import NoHostSync, capture_cuda_graph
-from tests.ops.test_moe import FP8_D, FP8_I, ROUTINGS, loop_moe, random_moe_args
+from tests.ops.test_moe import (FP8_D, FP8_I, ROUTINGS, loop_moe, loop_shared, random_moe_args, random_shared,
+                                with_shared_args)
 
 op = torch.ops.mlagraph_triton.moe
 E, D, I = 8, 48, 40  # widths that are not multiples of the tiles
@@ -224,6 +225,107 @@ def test_fp8_tiles_inside_and_across_scale_blocks(device, block_k):
     assert _rel(got, pairs(deq)) < 1e-5
 
 
+# --- shared experts in the same call ----------------------------------------------------------
+
+
+def _spy(monkeypatch, *names):
+    """Records (name, whether the shared experts came folded, as shared_out) per path call."""
+    calls = []
+    for name in names:
+        real = getattr(triton_moe, name)
+
+        def spy(*a, real=real, name=name, **k):
+            calls.append((name, k.get("shared") is not None, k.get("shared_out") is not None))
+            return real(*a, **k)
+
+        monkeypatch.setattr(triton_moe, name, spy)
+    return calls
+
+
+# (fp8, D, I, I_s): shared widths of one partial chunk, two whole ones, and a ragged third;
+# fp8 chunks of whole 128-column scale blocks (I = 128), and fp8 narrower than one routed expert
+FOLD_CASES = [(False, D, I, 20), (False, D, I, 80), (False, D, I, 100),
+              (True, FP8_D, 128, 256), (True, FP8_D, 128, 320), (True, FP8_D, FP8_I, 100)]
+FOLD_IDS = [f"{'fp8' if c[0] else 'float'}-I{c[2]}-Is{c[3]}" for c in FOLD_CASES]
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2])
+@pytest.mark.parametrize("fp8,d,i,i_s", FOLD_CASES, ids=FOLD_IDS)
+def test_pair_kernels_fold_the_shared_experts(device, monkeypatch, fp8, d, i, i_s, num_tokens):
+    """Decode: the shared MLP runs as ceil(I_s / I) extra program rows a token in the pair
+    kernels (no GEMM of its own): equal to the generic op (routed + shared MLP) and to float64
+    loops. fp8 needs 64 experts for the pair path at 2 tokens (at most 0.125 pairs an expert)."""
+    experts = 64 if fp8 else E
+    args = _on(random_moe_args(num_tokens, experts, d, i, ROUTINGS[3], fp8=fp8), device)
+    shared = _on(random_shared(d, i_s, fp8=fp8), device)
+    calls = _spy(monkeypatch, "routed_experts", "grouped_triton", "sorted_generic")
+    out = op(*with_shared_args(args, shared))
+    assert calls == [("routed_experts", True, False)]
+    want = torch.ops.mlagraph.moe(*with_shared_args(args, shared))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    if not fp8:
+        cpu = [a.cpu() for a in (args[0], args[2], args[3])]
+        exact = loop_moe(*cpu, *(r.cpu() for r in route(args[1], *args[4:12]))) + loop_shared(
+            cpu[0], *(w.cpu() for w in shared[:3]))
+        torch.testing.assert_close(out.cpu().double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+
+
+def test_shared_experts_that_cannot_fold_run_beside(device, monkeypatch):
+    """fp8 shared experts wider than a routed expert whose width is not whole 128-blocks (136)
+    cannot be cut into chunks of scale blocks: the pair kernels run the routed experts and the
+    combine adds the shared MLP computed apart. Same result."""
+    args = _on(random_moe_args(1, 32, FP8_D, FP8_I, ROUTINGS[3], fp8=True), device)
+    shared = _on(random_shared(FP8_D, 2 * FP8_I, fp8=True), device)
+    assert not triton_moe.shared_folds(shared, FP8_I, fp8=True)
+    calls = _spy(monkeypatch, "routed_experts")
+    out = op(*with_shared_args(args, shared))
+    assert calls == [("routed_experts", False, True)]
+    want = torch.ops.mlagraph.moe(*with_shared_args(args, shared))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize("num_tokens", [21, 86])  # our sorted path, the generic grouped one
+def test_sorted_paths_add_the_shared_experts(device, monkeypatch, num_tokens, fp8):
+    """Past decode sizes the shared MLP runs as three GEMMs and the routed path's combine adds
+    it: equal to the generic op."""
+    d, i = (FP8_D, FP8_I) if fp8 else (D, I)
+    args = _on(random_moe_args(num_tokens, E, d, i, ROUTINGS[3], fp8=fp8), device)
+    shared = _on(random_shared(d, 2 * i, fp8=fp8), device)
+    calls = _spy(monkeypatch, "routed_experts", "grouped_triton", "sorted_generic")
+    out = op(*with_shared_args(args, shared))
+    assert len(calls) == 1 and calls[0][0] != "routed_experts" and calls[0][2]
+    want = torch.ops.mlagraph.moe(*with_shared_args(args, shared))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("num_tokens", [1, 40])
+def test_expert_shard_with_shared_slice(device, num_tokens):
+    """Expert parallel with a rank's slice of the shared width, folded (1 token) or beside (40)."""
+    args = _on(random_moe_args(num_tokens, E, D, I, ROUTINGS[3]), device)
+    gate, up, down, *_ = _on(random_shared(D, 2 * I), device)
+    a = list(args)
+    a[2], a[3] = a[2][E // 2:].contiguous(), a[3][E // 2:].contiguous()
+    shared = (gate[:I], up[:I], down[:, :I].contiguous(), None, None, None)
+    want = torch.ops.mlagraph.moe(*with_shared_args(a, shared, E // 2))
+    got = op(*with_shared_args(a, shared, E // 2))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+def test_opcheck_with_shared(fp8):
+    d, i = (FP8_D, 128) if fp8 else (D, I)
+    args = random_moe_args(1, 32, d, i, ROUTINGS[3], fp8=fp8)
+    helpers.opcheck(op, with_shared_args(args, random_shared(d, 2 * i, fp8=fp8)))
+
+
+def test_bad_shared_input_names_the_argument():
+    args = random_moe_args(1, E, D, I, ROUTINGS[3])
+    gate, up, down, *_ = random_shared(D, 2 * I)
+    bad = with_shared_args(args, (gate, up[:, :-1], down, None, None, None))
+    helpers.assert_value_error(op, bad, helpers.arg_error("shared_up_proj"))
+
+
 # --- GPU: DeepSeek sizes, graphs ---------------------------------------------------------------
 
 
@@ -254,3 +356,20 @@ def test_cuda_graph_capture(fp8):
         graph.replay()
         torch.testing.assert_close(out, fn(), rtol=0, atol=0)
         assert _rel(out, moe_all_experts(*args)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_cuda_graph_capture_with_shared(fp8):
+    """The pair kernels with the shared experts folded, captured and replayed on new tokens."""
+    d, i = (FP8_D, 128) if fp8 else (FP8_D, FP8_I)
+    args = _on(random_moe_args(1, 32, d, i, ROUTINGS[3], torch.bfloat16, fp8=fp8), "cuda")
+    shared = _on(random_shared(d, 2 * i, torch.bfloat16, fp8=fp8), "cuda")
+    call = with_shared_args(args, shared)
+    graph, out = capture_cuda_graph(lambda: op(*call))
+    args[0].copy_(torch.randn_like(args[0]))
+    args[1].copy_(torch.randn_like(args[1]))
+    graph.replay()
+    torch.testing.assert_close(out, op(*call), rtol=0, atol=0)
+    want = torch.ops.mlagraph.moe(*call)
+    assert _rel(out, want) < 1e-2
