@@ -50,9 +50,16 @@ class ModelRunner:
             from ..compiler import compile as mlagraph_compile
 
             # Dynamic token / request dimensions: one graph per batch-plan variant, whatever the
-            # batch size, one request included (sizes are traced size-oblivious, so a size of 1
-            # reuses the graphs). Batches are not padded: a padding request would run the whole
-            # model, and at batch 1 its row doubled the MoE's work (its own experts' weights).
+            # batch size. Batches are not padded: a padding request would run the whole model,
+            # and at batch 1 its row doubled the MoE's work (its own experts' weights). Dynamo
+            # traces a size of 1 size-oblivious, but Inductor's view lowering still guards on
+            # it (a view of a strided tensor: k_pe's head axis, the absorbed q split into
+            # [B, s_q]), so under Inductor a one-request decode compiles its attention block
+            # once more (one graph per decode variant, not per size). DeepSeek-V4 is padded to
+            # two requests: its one-request recompile failed in Inductor on CUDA (CantSplit in
+            # a view, torch 2.11, 2026-12-06), which the padded engine never reaches.
+            if getattr(model.config, "model_type", None) == "deepseek_v4":
+                self.min_reqs = 2
             options = dict(compile_options or {})
             mode = options.pop("mode", None)
             kw = dict(backend=compile_backend, fullgraph=True, dynamic=True, **options)

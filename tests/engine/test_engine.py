@@ -83,6 +83,17 @@ def test_compiled_engine_runs_one_request_unpadded(v3, monkeypatch):
     assert got == _engine(v3).generate(prompt, max_new_tokens=3)[0].token_ids
 
 
+def test_compiled_v4_engine_pads_a_lone_request_to_two():
+    """DeepSeek-V4's compiled engine pads batches to two requests (its one-request Inductor
+    recompile failed on CUDA; see ModelRunner); eager V4 and compiled MLA models do not pad."""
+    from tests.model.test_oracle_v4 import v4_config
+
+    v4 = DeepseekForCausalLM.from_config(v4_config(num_hidden_layers=1).to_dict(), init_std=0.2)
+    kw = dict(max_num_seqs=2, max_model_len=32, page_size=4, progress=False)
+    assert Engine(v4, compile=True, compile_backend="mlagraph_eager", **kw).runner.min_reqs == 2
+    assert Engine(v4, **kw).runner.min_reqs == 1
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 GOOD = [1, 2, 3]
