@@ -16,6 +16,7 @@ import torch
 
 from . import cuda_graphs as graphs
 from ..model.batch import BatchKind, build_batch, plan_step
+from ..model.config import model_type_of
 from ..model.deepseek import DeepseekForCausalLM
 from ..ops import host_plan
 from .progress import CompileProgress
@@ -58,7 +59,7 @@ class ModelRunner:
             # once more (one graph per decode variant, not per size). DeepSeek-V4 is padded to
             # two requests: its one-request recompile failed in Inductor on CUDA (CantSplit in
             # a view, torch 2.11, 2026-12-06), which the padded engine never reaches.
-            if getattr(model.config, "model_type", None) == "deepseek_v4":
+            if model_type_of(model.config) == "deepseek_v4":
                 self.min_reqs = 2
             options = dict(compile_options or {})
             mode = options.pop("mode", None)

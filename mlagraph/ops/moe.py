@@ -407,12 +407,12 @@ def moe_all_experts(
 
 
 def with_shared(routed: torch.Tensor, hidden: torch.Tensor, gate=None, up=None, down=None, gate_scale=None,
-                up_scale=None, down_scale=None, activate=None) -> torch.Tensor:
+                up_scale=None, down_scale=None) -> torch.Tensor:
     """routed [T, D] in hidden's dtype, plus the shared experts' MLP when given (added in that
     dtype, as the model's ``routed + shared``)."""
     if gate is None:
         return routed
-    return routed + shared_experts(hidden, gate, up, down, gate_scale, up_scale, down_scale, activate)
+    return routed + shared_experts(hidden, gate, up, down, gate_scale, up_scale, down_scale)
 
 
 @custom_op("mlagraph::moe", mutates_args=())

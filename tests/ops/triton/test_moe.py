@@ -34,6 +34,20 @@ def pairs(args, first_expert=None):
     return triton_moe.routed_experts(args[0], weights, ids, args[2], args[3], *scales, first_expert)
 
 
+def _spy(monkeypatch, *names):
+    """Records (name, whether the shared experts came folded, as shared_out) per path call."""
+    calls = []
+    for name in names:
+        real = getattr(triton_moe, name)
+
+        def spy(*a, real=real, name=name, **k):
+            calls.append((name, k.get("shared") is not None, k.get("shared_out") is not None))
+            return real(*a, **k)
+
+        monkeypatch.setattr(triton_moe, name, spy)
+    return calls
+
+
 def _rel(got, want):
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
@@ -75,10 +89,7 @@ def test_each_batch_size_takes_its_path(device, monkeypatch, num_tokens, fp8):
     PAIRS_PER_EXPERT_MAX, then our sorted path (one-launch sort, our grouped GEMM) up to
     TRITON_GROUPED_PER_EXPERT_MAX, then the generic op's grouped GEMMs behind our sort. Each
     equals the oracle."""
-    calls = []
-    for name in ("routed_experts", "grouped_triton", "sorted_generic"):
-        real = getattr(triton_moe, name)
-        monkeypatch.setattr(triton_moe, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    calls = _spy(monkeypatch, "routed_experts", "grouped_triton", "sorted_generic")
     d, i = (FP8_D, FP8_I) if fp8 else (D, I)
     args = _on(random_moe_args(num_tokens, E, d, i, ROUTINGS[3], fp8=fp8), device)
     out = op(*args)
@@ -90,7 +101,7 @@ def test_each_batch_size_takes_its_path(device, monkeypatch, num_tokens, fp8):
         want = ["grouped_triton"]
     else:
         want = ["sorted_generic"]
-    assert calls == want
+    assert [name for name, _, _ in calls] == want
     assert triton_moe.path_for(num_tokens, args[5], E, fp8) == {"routed_experts": "pairs",
                                                                 "grouped_triton": "triton_grouped",
                                                                 "sorted_generic": "generic"}[want[0]]
@@ -226,20 +237,6 @@ def test_fp8_tiles_inside_and_across_scale_blocks(device, block_k):
 
 
 # --- shared experts in the same call ----------------------------------------------------------
-
-
-def _spy(monkeypatch, *names):
-    """Records (name, whether the shared experts came folded, as shared_out) per path call."""
-    calls = []
-    for name in names:
-        real = getattr(triton_moe, name)
-
-        def spy(*a, real=real, name=name, **k):
-            calls.append((name, k.get("shared") is not None, k.get("shared_out") is not None))
-            return real(*a, **k)
-
-        monkeypatch.setattr(triton_moe, name, spy)
-    return calls
 
 
 # (fp8, D, I, I_s): shared widths of one partial chunk, two whole ones, and a ragged third;
