@@ -647,6 +647,11 @@ def bench_moe(rows, args, g):
     grouped_cfgs = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
                     for m, n, w, st in ((16, 64, 4, 3), (16, 64, 4, 5), (16, 128, 4, 4), (16, 128, 8, 4),
                                         (16, 256, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 4))]
+    # bf16 experts only: K steps other than the fp8 scale block
+    grouped_k_cfgs = [{"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
+                      for m, n, k, w, st in ((16, 128, 64, 4, 4), (16, 128, 64, 4, 6), (16, 64, 256, 4, 3),
+                                             (16, 128, 256, 4, 2), (16, 128, 256, 8, 3), (16, 256, 64, 8, 4),
+                                             (16, 64, 128, 2, 4), (16, 32, 256, 2, 4))]
     sweep_cfgs = [{"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}, {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4},
                   {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 8},
                   {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}, {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2},
@@ -690,7 +695,7 @@ def bench_moe(rows, args, g):
                 variant("triton-sorted", lambda a=a: sorted_path(a))
                 variant("triton-grouped, torch sort", lambda a=a: torch_sorted(a))
                 if args.sweep and t >= 32:
-                    for cfg in grouped_cfgs:
+                    for cfg in grouped_cfgs + ([] if fp8 else grouped_k_cfgs):
                         variant("triton-sorted:" + ",".join(f"{k}={v}" for k, v in cfg.items()),
                                 lambda a=a, cfg=cfg: sorted_path(a, cfg))
                 if args.sweep_pairs and t <= 16:

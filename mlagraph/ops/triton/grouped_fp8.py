@@ -36,7 +36,7 @@ from ._hardware import hardware, interpreted
 from ._launch import check_runnable
 from ._tl import dot as _dot
 
-BLOCK_K = 128  # one fp8 scale block along K
+BLOCK_K = 128  # one fp8 scale block along K (float experts may take other K steps: config "BLOCK_K")
 
 
 @triton.jit
@@ -113,22 +113,24 @@ def default_config(num_rows: int, num_experts: int, n: int, device, interpreter:
     an expert: an expert's weights are read once per 16 of its rows), 64 past them; N tiles of
     64 where 128-wide ones would leave SMs idle (a decode-sized dense linear)."""
     if interpreter:
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": BLOCK_K, "num_warps": 4, "num_stages": 1}
     block_m = 16 if num_rows <= 4 * num_experts else 64
     tiles = -(-num_rows // block_m) + min(num_experts, num_rows)
     block_n = 64 if tiles * triton.cdiv(n, 128) < 2 * hardware(device).num_sms else 128
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": BLOCK_K, "num_warps": 4, "num_stages": 3}
 
 
 def config_for(num_rows: int, num_experts: int, n: int, device, override: dict | None) -> dict:
     """:func:`default_config` with ``override``'s keys in its place, checked: unknown keys and
-    tiles that are not powers of two >= 16 raise (BLOCK_M must match the tile schedule's)."""
+    tiles that are not powers of two >= 16 raise (BLOCK_M must match the tile schedule's).
+    BLOCK_K other than 128 is for float experts only (:func:`run_tiles` refuses it with fp8
+    weights or activations: their scales are per 128 columns)."""
     config = default_config(num_rows, num_experts, n, device, interpreted(_grouped_fp8_kernel))
     unknown = set(override or {}) - set(config)
     if unknown:
         raise ValueError(f"grouped GEMM config: unknown keys {sorted(unknown)}; known: {sorted(config)}")
     config.update(override or {})
-    for key in ("BLOCK_M", "BLOCK_N"):
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
         v = config[key]
         if v < 16 or v & (v - 1):
             raise ValueError(f"grouped GEMM config: {key} must be a power of two >= 16, got {v}")
@@ -161,13 +163,17 @@ def run_tiles(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, sche
     expert, row0, row_end = schedule
     if out_rows == 0 or expert.shape[0] == 0:
         return out
+    block_k = config.get("BLOCK_K", BLOCK_K)
+    if block_k != BLOCK_K and (w_fp8 or quantize_activations):
+        raise ValueError(f"grouped GEMM config: BLOCK_K must be {BLOCK_K} (one scale block) for fp8 weights or "
+                         f"activations, got {block_k}")
     in_interpreter = interpreted(_grouped_fp8_kernel)
     grid = (expert.shape[0], triton.cdiv(n, config["BLOCK_N"]))
     _grouped_fp8_kernel[grid](
         x, x_scale, w, s, out, expert, row0, row_end, order if order is not None else expert, n, k,
         x.stride(0), x_scale.stride(0) if quantize_activations else 0, w.stride(0), w.stride(1),
         s.stride(0) if w_fp8 else 0, s.stride(1) if w_fp8 else 0, out.stride(0),
-        NUM_EXPERTS=num_experts, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=BLOCK_K,
+        NUM_EXPERTS=num_experts, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=block_k,
         A_FP8=quantize_activations, PRECISION="ieee" if out_dtype == torch.float32 else "tf32", UPCAST=in_interpreter,
         W_FP8=w_fp8, GATHER_K=top_k if order is not None else 0,
         num_warps=config["num_warps"], num_stages=config["num_stages"],

@@ -121,3 +121,28 @@ def test_quantized_activations_are_the_product_of_the_quantized_operands(device)
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())  # bf16 output
     w8a16 = grouped_fp8_mm(x, w, s, offs).float()
     assert ((got - w8a16).norm() / w8a16.norm()) < 5e-2
+
+
+@pytest.mark.parametrize("block_k", [32, 64, 256])
+def test_float_experts_take_other_k_steps(device, block_k):
+    """Float experts (no scales) may step K by other powers of two than the fp8 scale block: the
+    same grouped product, K ragged against every step."""
+    from mlagraph.ops.triton.grouped_fp8 import grouped_float_mm
+
+    w = torch.randn(E, N, K, generator=torch.Generator().manual_seed(1)).to(device) * K**-0.5
+    offs = torch.tensor(COUNTS, device=device).cumsum(0).int()
+    x = torch.randn(int(offs[-1]), K, device=device)
+    # float32 tiles: 32 columns, 2 stages keep a 256-wide K step within shared memory
+    got = grouped_float_mm(x, w, offs, config={"BLOCK_K": block_k, "BLOCK_N": 32, "num_stages": 2})
+    want = torch.cat([x[a:b] @ w[e].T for e, (a, b) in enumerate(zip([0, *offs.tolist()[:-1]], offs.tolist()))])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("block_k", [64, 96])
+def test_fp8_experts_refuse_a_k_step_other_than_the_scale_block(block_k):
+    w, s = _experts("cpu")
+    offs = torch.tensor(COUNTS).cumsum(0).int()
+    x = torch.randn(int(offs[-1]), K)
+    match = "power of two" if block_k == 96 else "BLOCK_K must be 128"
+    with pytest.raises(ValueError, match=match):
+        grouped_fp8_mm(x, w, s, offs, config={"BLOCK_K": block_k})
