@@ -59,18 +59,17 @@ def cache_tensors(caches) -> list[torch.Tensor]:
     return [*caches.latent, *(caches.index or ()), *([caches.scale] if caches.scale is not None else [])]
 
 
-def default_buckets(max_num_seqs: int, min_size: int = 1) -> list[int]:
-    """Powers of two from ``min_size`` up to ``max_num_seqs``, and ``max_num_seqs`` itself."""
+def default_buckets(max_num_seqs: int) -> list[int]:
+    """Powers of two up to ``max_num_seqs``, and ``max_num_seqs`` itself."""
     sizes, b = {max_num_seqs}, 1
     while b < max_num_seqs:
-        if b >= min_size:
-            sizes.add(b)
+        sizes.add(b)
         b *= 2
     return sorted(sizes)
 
 
-def check_buckets(sizes, max_num_seqs: int, min_size: int) -> list[int]:
-    """Validates user bucket sizes; sizes below ``min_size`` run in the ``min_size`` bucket."""
+def check_buckets(sizes, max_num_seqs: int) -> list[int]:
+    """Validates user bucket sizes -> sorted, without repeats."""
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes:
         raise ValueError(f"Engine: cuda_graph_batch_sizes: expected a non-empty list of ints, got {sizes!r}")
     for s in sizes:
@@ -78,7 +77,7 @@ def check_buckets(sizes, max_num_seqs: int, min_size: int) -> list[int]:
             raise ValueError(
                 f"Engine: cuda_graph_batch_sizes: expected ints in [1, max_num_seqs={max_num_seqs}], got {list(sizes)}"
             )
-    return sorted({max(s, min_size) for s in sizes})
+    return sorted(set(sizes))
 
 
 def decode_plans(caps, dsa: bool, q_len: int = 1) -> dict[ForwardMethod, BatchPlan]:

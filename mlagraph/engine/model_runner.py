@@ -16,7 +16,6 @@ import torch
 
 from . import cuda_graphs as graphs
 from ..model.batch import BatchKind, build_batch, plan_step
-from ..model.config import model_type_of
 from ..model.deepseek import DeepseekForCausalLM
 from ..ops import host_plan
 from .progress import CompileProgress
@@ -43,7 +42,6 @@ class ModelRunner:
         self.caches = model.allocate_caches(num_pages, page_size)
         self.step_fn = model
         self.compiled = []  # the CompiledSteps this runner owns
-        self.min_reqs = 1  # requests a batch is padded to (build_batch's min_reqs)
         self.compile_progress = CompileProgress(progress) if compile else None
         self.compile_kwargs = None  # what mlagraph.compile was given (the speculator compiles its steps alike)
         decode_fn, inductor_graphs = model, False
@@ -51,16 +49,9 @@ class ModelRunner:
             from ..compiler import compile as mlagraph_compile
 
             # Dynamic token / request dimensions: one graph per batch-plan variant, whatever the
-            # batch size. Batches are not padded: a padding request would run the whole model,
-            # and at batch 1 its row doubled the MoE's work (its own experts' weights). Dynamo
-            # traces a size of 1 size-oblivious, but Inductor's view lowering still guards on
-            # it (a view of a strided tensor: k_pe's head axis, the absorbed q split into
-            # [B, s_q]), so under Inductor a one-request decode compiles its attention block
-            # once more (one graph per decode variant, not per size). DeepSeek-V4 is padded to
-            # two requests: its one-request recompile failed in Inductor on CUDA (CantSplit in
-            # a view, torch 2.11, 2026-12-06), which the padded engine never reaches.
-            if model_type_of(model.config) == "deepseek_v4":
-                self.min_reqs = 2
+            # batch size, a lone request included (not padded: a padding request would run the
+            # whole model, and at batch 1 its row doubled the MoE's work). The model and the
+            # passes keep Inductor from asking whether a size is 1 (docs/design.md).
             options = dict(compile_options or {})
             mode = options.pop("mode", None)
             kw = dict(backend=compile_backend, fullgraph=True, dynamic=True, **options)
@@ -94,7 +85,7 @@ class ModelRunner:
                 self.model.backend.capabilities, [t for _, t in plan], [r.num_cached for r, _ in plan],
                 [r.pages for r, _ in plan], self.page_size, is_decode=[r.decoding for r, _ in plan],
                 dsa=self.model.config.uses_dsa, dsa_dense_max_kv_len=self.dsa_dense_max_kv_len,
-                all_logits=all_logits, min_reqs=self.min_reqs, device=self.device,
+                all_logits=all_logits, device=self.device,
             )
             step_fn = self.step_fn
             if batch.plan.kind is BatchKind.DECODE and self.inductor_graphs:
@@ -117,9 +108,9 @@ class ModelRunner:
 
     def _capture(self, decode_fn, inductor_graphs: bool, sizes, progress):
         if sizes is None:
-            buckets = graphs.default_buckets(self.max_num_seqs, self.min_reqs)
+            buckets = graphs.default_buckets(self.max_num_seqs)
         else:
-            buckets = graphs.check_buckets(sizes, self.max_num_seqs, self.min_reqs)
+            buckets = graphs.check_buckets(sizes, self.max_num_seqs)
         plans = graphs.decode_plans(self.model.backend.capabilities, self.model.config.uses_dsa)
         max_pages = max(math.ceil(self.max_model_len / self.page_size), 1)
         if inductor_graphs and self.model.backend.capabilities.step_metadata:

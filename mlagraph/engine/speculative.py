@@ -246,7 +246,7 @@ class MTPSpeculator:
             self.model.backend.capabilities, [t for _, t, _ in entries], [s for _, _, s in entries],
             [r.pages for r, _, _ in entries], e.page_size, is_decode=[s >= r.prompt_len for r, _, s in entries],
             dsa=cfg.uses_dsa, dsa_dense_max_kv_len=e.dsa_dense_max_kv_len, all_logits=True,
-            min_reqs=self.runner.min_reqs, device=e.device,
+            device=e.device,
         )
 
     def _graph_args(self, entries: list[Entry]):
@@ -272,9 +272,8 @@ class MTPSpeculator:
         one per bucket and forward method; the MTP graphs read their hidden rows from a
         static buffer the caller fills before each replay."""
         e, model, k = self.engine, self.model, self.k
-        min_reqs = self.runner.min_reqs
-        buckets = (graphs.default_buckets(e.max_num_seqs, min_reqs) if sizes is None
-                   else graphs.check_buckets(sizes, e.max_num_seqs, min_reqs))
+        buckets = (graphs.default_buckets(e.max_num_seqs) if sizes is None
+                   else graphs.check_buckets(sizes, e.max_num_seqs))
         caps, dsa = model.backend.capabilities, model.config.uses_dsa
         max_pages = max(math.ceil((e.max_model_len + k) / e.page_size), 1)
 

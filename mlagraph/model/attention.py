@@ -248,8 +248,9 @@ class MLAttention(nn.Module):
             q_lora = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_lora)
         q_nope, q_pe = q.view(T, H, self.nope_dim + R).split([self.nope_dim, R], dim=-1)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([L, R], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c)
+        kv = self.kv_a_proj_with_mqa(x)  # [T, L + R]
+        kv_c = self.kv_a_layernorm(kv[:, :L])
+        k_pe = kv.view(T, 1, L + R)[..., L:]  # [T, 1, R]: the head axis added before the slice, as for q below
 
         method = batch.method
         w_uk, w_uv = self._w_uk_uv()
@@ -258,7 +259,7 @@ class MLAttention(nn.Module):
             q_nope = per_head_matmul(q_nope, w_uk)
 
         # The backend-neutral front: RoPE -> concat -> cache write.
-        q_rot, k_rot = self._rope(q_pe, k_pe[:, None, :], batch.positions, cos_sin, self.interleaved)
+        q_rot, k_rot = self._rope(q_pe, k_pe, batch.positions, cos_sin, self.interleaved)
         q = torch.cat([q_nope, q_rot], dim=-1)  # [T, H, Dn+R] (MHA) or [T, H, L+R] (latent)
         self._cache_write(kv_c, k_rot[:, 0], kv_cache, batch.slot_mapping, caches.scale, caches.layout)
         if self.indexer is not None and method is not ForwardMethod.SPARSE:
@@ -284,9 +285,12 @@ class MLAttention(nn.Module):
             out, _ = self._prefill(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k, self.softmax_scale, True)
         else:
             if method is ForwardMethod.ABSORBED:
+                # [B, s_q] split on the whole q, then the halves: the split of a strided half
+                # would make Inductor guard T > 1 (a one-token decode would compile again)
                 B, s_q = batch.num_reqs, batch.plan.decode_q_len
+                q = q.view(B, s_q, H, L + R)
                 o, _ = self._decode(
-                    q[..., :L].reshape(B, s_q, H, L), q[..., L:].reshape(B, s_q, H, R), kv_cache,
+                    q[..., :L], q[..., L:], kv_cache,
                     batch.block_table, batch.seq_lens, caches.scale, caches.layout, self.softmax_scale,
                 )
                 o = o.reshape(T, H, L)

@@ -73,13 +73,13 @@ def unrotate_tail(rope, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch
     S·R(θ)·S = R(-θ). So the one cos/sin table serves both directions.
     """
     r = cos_sin.shape[-1]
-
-    def swap(t: torch.Tensor) -> torch.Tensor:
-        return t.unflatten(-1, (r // 2, 2)).flip(-1).flatten(-2)
-
+    # Swapping pairs is a gather of the columns 1, 0, 3, 2, ...: no view of the strided tail,
+    # which Inductor could not lower without asking whether T == 1 (a guard: a one-token step
+    # would compile again).
+    pairs = torch.arange(r, device=x.device) ^ 1
     head, tail = _split_tail(x, r)
-    tail = swap(tail)
-    tail = swap(rope(contiguous_copy(tail), contiguous_copy(tail[:, :1]), positions, cos_sin, True)[0])
+    tail = tail.index_select(-1, pairs)
+    tail = rope(tail, contiguous_copy(tail[:, :1]), positions, cos_sin, True)[0].index_select(-1, pairs)
     return torch.cat([head, tail], dim=-1)
 
 

@@ -38,12 +38,15 @@ class HyperConnection(nn.Module):
         """x [T, N, D] -> (block input [T, D], post [T, N] float32, comb [T, N, N] float32)."""
         n = self.n
         mix = F.linear(_unit_rms(x.flatten(1).float(), self.norm_eps), self.fn.float())  # [T, (2+N)·N]
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+        pre_w, post_w = mix.split([n, n, n * n], dim=-1)[:2]
+        # [T, N, N] from the whole (contiguous) mix, not by viewing its strided slice: Inductor's
+        # view of that slice would ask whether T == 1 (a one-token step would compile again)
+        comb_w = mix.unflatten(-1, (2 + n, n))[:, 2:]
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.float().unbind(0)
         pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * s_post + post_b)
-        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * s_comb + comb_b.view(n, n), dim=-1) + self.hc_eps
+        comb = torch.softmax(comb_w * s_comb + comb_b.view(n, n), dim=-1) + self.hc_eps
         # Sinkhorn-Knopp: alternate column and row normalisation towards a doubly stochastic
         # matrix, starting (and ending) with the columns, iters column passes in all.
         comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)

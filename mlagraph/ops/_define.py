@@ -36,3 +36,17 @@ def op_body(qualname: str) -> Callable:
 def op_bodies() -> dict[str, Callable]:
     """qualified name -> body, for every generic op."""
     return dict(_BODIES)
+
+
+def dense_empty(like: torch.Tensor, shape: Sequence, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised contiguous tensor for a fake kernel's output, its strides written out.
+
+    ``new_empty``'s traced strides read ``max(1, size)`` products (a size that may be 0), which
+    Inductor cannot prove contiguous; a later view of the output (the model's [B, s_q] -> [T]
+    reshape of an attention output) then asks whether a size is 1, a guard that makes a
+    one-request step compile again."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step = step * size
+    return like.new_empty_strided(tuple(shape), tuple(reversed(strides)), dtype=dtype or like.dtype)

@@ -20,7 +20,7 @@ import torch
 
 from . import layouts
 from ._checks import FLOAT_DTYPES, check_choice, check_positive, check_same_dtype, check_tensor, fail
-from ._define import custom_op
+from ._define import custom_op, dense_empty
 
 # ---------------------------------------------------------------------------------------------
 # shared by the latent attention ops (mla_decode, sparse_mla)
@@ -159,7 +159,6 @@ def mla_decode(
 def mla_decode_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, softmax_scale):
     _check_mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, softmax_scale)
     batch, s_q, num_heads, kv_lora_rank = q_nope.shape
-    return (
-        q_nope.new_empty((batch, s_q, num_heads, kv_lora_rank)),
-        q_nope.new_empty((batch, s_q, num_heads), dtype=torch.float32),
-    )
+    # strides written out (dense_empty): the model views out as [T, H, L] with no guard
+    return (dense_empty(q_nope, (batch, s_q, num_heads, kv_lora_rank)),
+            dense_empty(q_nope, (batch, s_q, num_heads), torch.float32))

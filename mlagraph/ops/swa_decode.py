@@ -13,7 +13,7 @@ import torch
 
 from . import swa
 from ._checks import check_tensor
-from ._define import custom_op
+from ._define import custom_op, dense_empty
 
 
 def _check_decode(op, q, kv_cache, sinks, block_table, seq_lens, window, softmax_scale, compressed=None,
@@ -64,7 +64,8 @@ def _unflatten(q, out_lse):
 
 
 def _fake(q):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # strides written out (dense_empty): the model views out as [T, H, D] with no guard
+    return dense_empty(q, q.shape), dense_empty(q, q.shape[:3], torch.float32)
 
 
 @custom_op("mlagraph::swa_decode", mutates_args=())

@@ -144,7 +144,9 @@ def eliminate_concat(graph: fx.Graph, backend: Backend) -> dict[int | None, int]
     read the cat's operands instead. Fused: the fused op gets a zero-width q_nope (so its q
     output is just the rotated q_pe) and the latent half reads the absorbed q directly.
     Backends whose decode wants q concatenated keep the cat; Inductor then realizes the absorb
-    matmul straight into the concatenated buffer.
+    matmul straight into the concatenated buffer. The halves may be sliced from a view of q's
+    leading dims (the decode's [B, s_q] split of the tokens); each half then gets the same view
+    (:func:`_leading_view`).
     """
     counts: dict[int | None, int] = {}
     if not backend.capabilities.decode_q_split:
@@ -162,8 +164,8 @@ def eliminate_concat(graph: fx.Graph, backend: Backend) -> dict[int | None, int]
         else:
             continue
         width = _last_dim(latent)
-        slices = list(q.users)
-        if width is None or not slices or not all(_is_last_dim_slice(u) for u in slices):
+        slices, views = _half_slices(q)
+        if width is None or not slices:
             continue
         bounds = [_slice_bounds(u) for u in slices]
         if not all(b == (0, width) or (b[0] == width and b[1] >= (_last_dim(q) or 2**62)) for b in bounds):
@@ -183,7 +185,7 @@ def eliminate_concat(graph: fx.Graph, backend: Backend) -> dict[int | None, int]
             if q_pe_val is not None and vals is not None:
                 q.meta["val"] = q_pe_val.new_empty(q_pe_val.shape)
                 fused_node.meta["val"] = (q.meta["val"], *vals[1:])
-        for u, (start, _) in zip(slices, bounds):
+        for u, view, (start, _) in zip(slices, views, bounds):
             for consumer in forward_through_views(u):
                 if op_is_split_q_consumer(consumer, backend):
                     # Inductor lays a custom op's inputs out as they were when the graph was
@@ -192,10 +194,62 @@ def eliminate_concat(graph: fx.Graph, backend: Backend) -> dict[int | None, int]
                     # and undo this pass. Without that record it passes the halves as they
                     # are; the split-q ops read their inputs through their strides.
                     consumer.meta.pop("eager_input_vals", None)
-            u.replace_all_uses_with(latent if start == 0 else rope_half)
+            half = latent if start == 0 else rope_half
+            if view is not None:  # q was viewed [T, H, W] -> [B, s_q, H, W] before the slice
+                with graph.inserting_before(u):
+                    half = _leading_view(graph, half, view.args[1], u)
+            u.replace_all_uses_with(half)
         _count(counts, layer_of(fused_node or q))
     graph.eliminate_dead_code()
     return counts
+
+
+def _half_slices(q: fx.Node) -> tuple[list[fx.Node], list[fx.Node | None]]:
+    """The last-dim slices that read q, each with the view of q's leading dims it slices (the
+    decode's [B, s_q] split of the tokens) or None; ([], []) if q has any other reader."""
+    slices, views = [], []
+    for u in q.users:
+        if _is_last_dim_slice(u):
+            slices.append(u)
+            views.append(None)
+        elif _is_leading_view(u, q) and u.users and all(_is_last_dim_slice(s) for s in u.users):
+            slices += list(u.users)
+            views += [u] * len(u.users)
+        else:
+            return [], []
+    return slices, views
+
+
+def _is_leading_view(node: fx.Node, src: fx.Node) -> bool:
+    """``aten.view`` / ``aten.reshape`` of src that keeps its last dim (only the leading dims regroup)."""
+    if not ((is_op(node, "aten::view") or is_op(node, "aten::reshape")) and node.args[0] is src):
+        return False
+    sizes = node.args[1]
+    return len(sizes) >= 1 and _last_dim(src) is not None and sizes[-1] == _last_dim(src)
+
+
+def _leading_view(graph: fx.Graph, half: fx.Node, sizes: list, like: fx.Node) -> fx.Node:
+    """half [T, H, W] viewed as q was: [*sizes[:-1], W] (sizes: q's view, [B, s_q, H, L + R]).
+
+    The absorbed q half is a per-head bmm's [H, T, W] output transposed to [T, H, W]. A view of
+    that strided tensor makes Inductor's lowering ask whether T == 1 (a guard: a one-token step
+    would compile again), so T is split on the bmm's own contiguous output and the heads are
+    moved after it. Any other half (a contiguous RoPE output) is viewed directly. ``like``: the
+    slice this replaces (its fake value gives the symbolic sizes)."""
+    shape = like.meta["val"].shape  # [B, s_q, H, W]
+    lead = len(sizes) - 2  # the dims that split T
+    if is_op(half, "aten::permute") and list(half.args[1]) == [1, 0, 2]:
+        base = half.args[0]
+        split = graph.call_function(torch.ops.aten.view.default, (base, [sizes[-2], *sizes[:-2], shape[-1]]))
+        split.meta["val"] = base.meta["val"].view(shape[-2], *shape[:-2], shape[-1])
+        order = [*range(1, lead + 1), 0, lead + 1]
+        node = graph.call_function(torch.ops.aten.permute.default, (split, order))
+        node.meta["val"] = split.meta["val"].permute(*order)
+    else:
+        node = graph.call_function(torch.ops.aten.view.default, (half, [*sizes[:-1], shape[-1]]))
+        node.meta["val"] = half.meta["val"].view(*shape)
+    _copy_meta(like, node)
+    return node
 
 
 def op_is_split_q_consumer(node: fx.Node, backend: Backend) -> bool:

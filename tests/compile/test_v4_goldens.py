@@ -61,8 +61,8 @@ inputs: 2 tensors
 inputs: 19 tensors
 v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in11, cos_sin_cache=in10, kv_cache=in12!, slot_mapping=in13, scale=None, layout='bf16', interleaved=True)
 v1 = mlagraph.swa_attention(q=v0.0, kv_cache=in12', sinks=in14, positions=in11, req_ids=in15, block_table=in16, window=6, softmax_scale=0.25)
-v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
-v3 = aten.cat([v1.0~, _], -1)
+v2 = mlagraph.rope(q_pe=v1.0~, k_pe=v1.0~, positions=in11, cos_sin_cache=in10, interleaved=True)
+v3 = aten.cat([v1.0~, v2.0~], -1)
 # mlp (moe): layer 0
 inputs: 12 tensors
 v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
@@ -77,8 +77,8 @@ inputs: 2 tensors
 inputs: 19 tensors
 v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in11, cos_sin_cache=in10, kv_cache=in12!, slot_mapping=in13, scale=None, layout='bf16', interleaved=True)
 v1 = mlagraph.swa_decode(q=v0.0~, kv_cache=in12', sinks=in15, block_table=in14, seq_lens=in16, window=6, softmax_scale=0.25)
-v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
-v3 = aten.cat([v1.0~, _], -1)
+v2 = mlagraph.rope(q_pe=v1.0~, k_pe=v1.0~, positions=in11, cos_sin_cache=in10, interleaved=True)
+v3 = aten.cat([v1.0~, v2.0~], -1)
 # mlp (moe): layer 0
 inputs: 12 tensors
 v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
@@ -94,8 +94,8 @@ inputs: 25 tensors
 v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in11, cos_sin_cache=in10, kv_cache=in12!, slot_mapping=in13, scale=None, layout='bf16', interleaved=True)
 mlagraph.compressor_update(kv=_, gate=_, position_bias=in16, norm_weight=in17, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in20!, compressed_cache=in21!, compress_rate=4, overlap=False, eps=1e-06)
 v1 = mlagraph.hca_attention(q=v0.0, kv_cache=in12', compressed_cache=in21', sinks=in22, positions=in11, req_ids=in18, block_table=in19, window=6, compress_rate=4, softmax_scale=0.25)
-v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
-v3 = aten.cat([v1.0~, _], -1)
+v2 = mlagraph.rope(q_pe=v1.0~, k_pe=v1.0~, positions=in11, cos_sin_cache=in10, interleaved=True)
+v3 = aten.cat([v1.0~, v2.0~], -1)
 # mlp (moe): layer 0
 inputs: 12 tensors
 v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
@@ -115,8 +115,8 @@ v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleav
 v2 = aten.cat([_, v1.0], -1)
 v3 = mlagraph.csa_indexer_topk(q=v2, weights=_, index_cache=in27', positions=in11, req_ids=in18, block_table=in19, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
 v4 = mlagraph.csa_attention(q=v0.0, kv_cache=in12', compressed_cache=in21', topk_indices=v3, sinks=in30, positions=in11, req_ids=in18, block_table=in19, window=6, compress_rate=2, softmax_scale=0.25)
-v5 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
-v6 = aten.cat([v4.0~, _], -1)
+v5 = mlagraph.rope(q_pe=v4.0~, k_pe=v4.0~, positions=in11, cos_sin_cache=in10, interleaved=True)
+v6 = aten.cat([v4.0~, v5.0~], -1)
 # mlp (moe): layer 0
 inputs: 12 tensors
 v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
@@ -133,8 +133,8 @@ v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, po
 mlagraph.compressor_update(kv=_, gate=_, position_bias=in16, norm_weight=in17, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in20!, compressed_cache=in21!, compress_rate=2, overlap=True, eps=1e-06)
 mlagraph.compressor_update(kv=_, gate=_, position_bias=in24, norm_weight=in25, cos_sin_cache=in10, positions=in11, req_ids=in18, slot_mapping=in13, block_table=in19, state_cache=in26!, compressed_cache=in27!, compress_rate=2, overlap=True, eps=1e-06)
 v1 = mlagraph.hca_attention(q=v0.0, kv_cache=in12', compressed_cache=in21', sinks=in28, positions=in11, req_ids=in18, block_table=in19, window=6, compress_rate=2, softmax_scale=0.25)
-v2 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
-v3 = aten.cat([v1.0~, _], -1)
+v2 = mlagraph.rope(q_pe=v1.0~, k_pe=v1.0~, positions=in11, cos_sin_cache=in10, interleaved=True)
+v3 = aten.cat([v1.0~, v2.0~], -1)
 # mlp (moe): layer 0
 inputs: 12 tensors
 v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
@@ -154,8 +154,8 @@ v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleav
 v2 = aten.cat([_, v1.0], -1)
 v3 = mlagraph.csa_indexer_topk(q=v2, weights=_, index_cache=in27', positions=in11, req_ids=in18, block_table=in19, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
 v4 = mlagraph.csa_decode(q=v0.0~, kv_cache=in12', compressed_cache=in21', topk_indices=v3~, sinks=in30, block_table=in19, seq_lens=in31, window=6, compress_rate=2, softmax_scale=0.25)
-v5 = mlagraph.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
-v6 = aten.cat([v4.0~, _], -1)
+v5 = mlagraph.rope(q_pe=v4.0~, k_pe=v4.0~, positions=in11, cos_sin_cache=in10, interleaved=True)
+v6 = aten.cat([v4.0~, v5.0~], -1)
 # mlp (moe): layer 0
 inputs: 12 tensors
 v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)
@@ -177,8 +177,8 @@ v1 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, in
 v2 = aten.cat([_, v1.0], -1)
 v3 = mlagraph_triton.csa_indexer_topk(q=v2, weights=_, index_cache=in27', positions=in11, req_ids=in18, block_table=in19, page_size=_, compress_rate=2, topk=3, softmax_scale=0.25)
 v4 = mlagraph_triton.csa_decode(q=v0.0~, kv_cache=in12', compressed_cache=in21', topk_indices=v3~, sinks=in30, block_table=in19, seq_lens=in31, window=6, compress_rate=2, softmax_scale=0.25)
-v5 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in11, cos_sin_cache=in10, interleaved=True)
-v6 = aten.cat([v4.0~, _], -1)
+v5 = mlagraph_triton.rope(q_pe=v4.0~, k_pe=v4.0~, positions=in11, cos_sin_cache=in10, interleaved=True)
+v6 = aten.cat([v4.0~, v5.0~], -1)
 # mlp (moe): layer 0
 inputs: 12 tensors
 v0 = mlagraph.v4_moe(hidden=_, router_logits=_, gate_up_proj=in7, down_proj=in8, e_score_correction_bias=in6, hash_ids=None, top_k=2, scoring_func='sqrtsoftplus', routed_scaling_factor=1.5, swiglu_limit=2)

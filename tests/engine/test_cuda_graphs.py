@@ -33,15 +33,15 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 def test_default_buckets():
     assert graphs.default_buckets(8) == [1, 2, 4, 8]
-    assert graphs.default_buckets(12, min_size=2) == [2, 4, 8, 12]
+    assert graphs.default_buckets(12) == [1, 2, 4, 8, 12]
     assert graphs.default_buckets(1) == [1]
 
 
 def test_check_buckets():
-    assert graphs.check_buckets([1, 32, 128, 32], 128, 2) == [2, 32, 128]
+    assert graphs.check_buckets([1, 32, 128, 32], 128) == [1, 32, 128]
     for bad in ([], [0], [129], [2.0], "12", [True]):
         with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):
-            graphs.check_buckets(bad, 128, 1)
+            graphs.check_buckets(bad, 128)
 
 
 def test_decode_plans():

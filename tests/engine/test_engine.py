@@ -58,11 +58,17 @@ def _cache_bytes(engine: Engine) -> list[torch.Tensor]:
 # --- compiled engines ----------------------------------------------------------------------------
 
 
-def test_compiled_engine_runs_one_request_unpadded(v3, monkeypatch):
+@pytest.mark.parametrize("kind", ["v3", "v4"])
+def test_compiled_engine_runs_one_request_unpadded(kind, v3, monkeypatch):
     """A compiled engine runs a lone request as one request: no padding request (at batch 1 it
     would run the whole model on a second row, and route that row through other experts).
-    Batch sizes 1 and 2 share the compiled graphs, and the tokens equal an eager engine's."""
+    Batch sizes 1 and 2 share each variant's graph, and the tokens equal an eager engine's.
+    (Under Inductor too: tests/compile/test_regional.py.)"""
     import mlagraph.engine.model_runner as model_runner
+    from tests.model.test_oracle_v4 import v4_config
+
+    model = v3 if kind == "v3" else DeepseekForCausalLM.from_config(v4_config(num_hidden_layers=2).to_dict(),
+                                                                    init_std=0.2)
 
     sizes, build = [], model_runner.build_batch
 
@@ -73,25 +79,13 @@ def test_compiled_engine_runs_one_request_unpadded(v3, monkeypatch):
 
     monkeypatch.setattr(model_runner, "build_batch", spy)
     prompt = _prompts(3, [5])
-    engine = _engine(v3, compile=True, compile_backend="mlagraph_eager", progress=False)
+    engine = _engine(model, compile=True, compile_backend="mlagraph_eager", progress=False)
     got = engine.generate(prompt, max_new_tokens=3)[0].token_ids
     assert sizes == [(1, 5), (1, 1), (1, 1)]  # (requests, token rows): the prefill, two decode steps
-    graphs = engine.runner.step_fn.num_graphs
     engine.generate(_prompts(4, [3, 6]), max_new_tokens=3)
-    assert engine.runner.step_fn.num_graphs == graphs
+    assert all(n == 1 for n in engine.runner.step_fn.graphs.values())  # no variant compiled twice
     monkeypatch.setattr(model_runner, "build_batch", build)
-    assert got == _engine(v3).generate(prompt, max_new_tokens=3)[0].token_ids
-
-
-def test_compiled_v4_engine_pads_a_lone_request_to_two():
-    """DeepSeek-V4's compiled engine pads batches to two requests (its one-request Inductor
-    recompile failed on CUDA; see ModelRunner); eager V4 and compiled MLA models do not pad."""
-    from tests.model.test_oracle_v4 import v4_config
-
-    v4 = DeepseekForCausalLM.from_config(v4_config(num_hidden_layers=1).to_dict(), init_std=0.2)
-    kw = dict(max_num_seqs=2, max_model_len=32, page_size=4, progress=False)
-    assert Engine(v4, compile=True, compile_backend="mlagraph_eager", **kw).runner.min_reqs == 2
-    assert Engine(v4, **kw).runner.min_reqs == 1
+    assert got == _engine(model).generate(prompt, max_new_tokens=3)[0].token_ids
 
 
 # --- bad input ---------------------------------------------------------------------------------
