@@ -23,9 +23,14 @@ from tests.model.conftest import VOCAB, hf_config
 PAGE = 4
 
 
-def _model(kind: str, layers: int, **dims) -> DeepseekForCausalLM:
-    cfg = hf_config(kind).to_dict() | {"num_hidden_layers": layers, **dims}
-    return DeepseekForCausalLM.from_config(cfg, init_std=0.2)
+def _model(kind: str, layers: int, backend: str = "reference", **dims) -> DeepseekForCausalLM:
+    if kind == "v4":
+        from tests.model.test_oracle_v4 import v4_config
+
+        cfg = v4_config(num_hidden_layers=layers, **dims).to_dict()
+    else:
+        cfg = hf_config(kind).to_dict() | {"num_hidden_layers": layers, **dims}
+    return DeepseekForCausalLM.from_config(cfg, init_std=0.2, backend=backend)
 
 
 def _compile(model, **kw):
@@ -261,14 +266,7 @@ def test_inductor_one_request_decode_reuses_the_graphs(kind, backend, regional):
     (k_pe's head axis, q's [B, s_q] split, V4's hyper-connection mixes) or none (V4's pair
     swap is a gather), eliminate_concat splits the absorbed q on the bmm's own output, and the
     decode ops' fake outputs have their contiguous strides written out (ops/_define.dense_empty)."""
-    if kind == "v4":
-        from tests.model.test_oracle_v4 import v4_config
-
-        model = DeepseekForCausalLM.from_config(v4_config(num_hidden_layers=2).to_dict(), init_std=0.2,
-                                                backend=backend)
-    else:
-        model = DeepseekForCausalLM.from_config(hf_config(kind).to_dict() | {"num_hidden_layers": 2}, init_std=0.2,
-                                                backend=backend)
+    model = _model(kind, 2, backend)
     step = mlagraph.compile(model, fullgraph=True, dynamic=True, regional=regional)
     caches = model.allocate_caches(48, PAGE)
     with torch.no_grad():

@@ -82,8 +82,12 @@ def test_compiled_engine_runs_one_request_unpadded(kind, v3, monkeypatch):
     engine = _engine(model, compile=True, compile_backend="mlagraph_eager", progress=False)
     got = engine.generate(prompt, max_new_tokens=3)[0].token_ids
     assert sizes == [(1, 5), (1, 1), (1, 1)]  # (requests, token rows): the prefill, two decode steps
+    before = dict(engine.runner.step_fn.graphs)
     engine.generate(_prompts(4, [3, 6]), max_new_tokens=3)
-    assert all(n == 1 for n in engine.runner.step_fn.graphs.values())  # no variant compiled twice
+    after = engine.runner.step_fn.graphs
+    assert all(n == 1 for n in after.values())  # batch sizes 1 and 2 share each variant's graph
+    if kind == "v3":  # and two requests need no other variant (V4's two may plan a DSA split)
+        assert after == before
     monkeypatch.setattr(model_runner, "build_batch", build)
     assert got == _engine(model).generate(prompt, max_new_tokens=3)[0].token_ids
 
