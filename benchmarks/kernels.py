@@ -649,9 +649,11 @@ def bench_moe(rows, args, g):
                                         (16, 256, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 4))]
     # bf16 experts only: K steps other than the fp8 scale block
     grouped_k_cfgs = [{"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
-                      for m, n, k, w, st in ((16, 128, 64, 4, 4), (16, 128, 64, 4, 6), (16, 64, 256, 4, 3),
-                                             (16, 128, 256, 4, 2), (16, 128, 256, 8, 3), (16, 256, 64, 8, 4),
-                                             (16, 64, 128, 2, 4), (16, 32, 256, 2, 4))]
+                      for m, n, k, w, st in ((16, 128, 64, 4, 4), (16, 64, 256, 4, 3), (16, 128, 256, 4, 2),
+                                             (16, 128, 256, 8, 3), (16, 64, 128, 2, 4), (16, 32, 256, 2, 4),
+                                             # long runs of each weight row (1-2 KB): fewer DRAM rows opened a byte
+                                             (16, 32, 512, 4, 3), (16, 64, 512, 4, 2), (16, 32, 1024, 4, 2),
+                                             (16, 16, 1024, 4, 3), (16, 32, 512, 2, 4), (64, 32, 512, 4, 2))]
     sweep_cfgs = [{"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}, {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4},
                   {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 8},
                   {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}, {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2},
@@ -739,6 +741,115 @@ def bench_moe(rows, args, g):
             del want
         del base, layer_copies
         torch.cuda.empty_cache()
+
+
+def _stream_read():
+    """A kernel that only reads: ITERS blocks of BLOCK contiguous elements a program, summed in
+    float32, one float out per program: the floor any reader of these bytes has."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(w_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], tl.float32)
+        for i in range(ITERS):
+            offs = (pid.to(tl.int64) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+            acc += tl.load(w_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.store(out_ptr + pid, tl.sum(acc))
+
+    return kernel
+
+
+def _tile_read():
+    """A kernel that reads [E, N, K] weights as the grouped GEMM's programs do, and computes
+    nothing: program (e, n) walks rows n*BLOCK_N.. of expert e along K, BLOCK_K columns a step
+    (expert fastest in the grid, as the GEMM's M tiles are), summing in float32."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(w_ptr, out_ptr, N, K, stride_e, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        e, pid_n = tl.program_id(0), tl.program_id(1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        base = w_ptr + e.to(tl.int64) * stride_e + cols[:, None].to(tl.int64) * K
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            acc += tl.load(base + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0).to(tl.float32)
+        tl.store(out_ptr + e * tl.num_programs(1) + pid_n, tl.sum(tl.sum(acc, 1), 0))
+
+    return kernel
+
+
+def bench_moe_bw(rows, args, g):
+    """What bounds the grouped GEMM at decode sizes (issue: V2-Lite batch 32 runs the same on the
+    H200 as on the H100, about 2.6-2.75 TB/s, whatever its tiles). The same stacked gate_up
+    weights (V2-Lite: 64 experts x 2816 x 2048 bf16, 738 MB) read by: a kernel that only reads
+    them in order (the floor any reader has), one that only reads them in the grouped GEMM's
+    tiles (the access pattern's cost, without the GEMM), ``copy_`` (read + write), cuBLAS's batched GEMM at
+    4 and 16 rows an expert, and our grouped GEMM (gate_up only) at T = 32 with top-6 over all 64
+    experts and over 16 of them (the same rows and tiles, a quarter of the pages), at the default
+    tile and at tiles whose rows run 1-2 KB along K. Each checked first (the read against
+    torch's float32 sum, the GEMMs against a float32 product)."""
+    from mlagraph.ops.triton.grouped_fp8 import config_for, run_tiles
+    from mlagraph.ops.triton.moe_sort import sort_pairs
+
+    experts, n, k, t, top_k = 64, 2816, 2048, 32, 6
+    w = (torch.randn(experts, n, k, generator=g) * 0.02).to("cuda", torch.bfloat16)
+    x = torch.randn(t, k, generator=g).to("cuda", torch.bfloat16)
+    nbytes = w.numel() * w.element_size()
+    name = f"moe_bw V2-Lite gate_up ({nbytes / 1e6:.0f} MB)"
+    print(name, flush=True)
+    flat = w.view(-1)
+    read = _stream_read()
+    want_sum = flat.float().sum()
+    for block, iters in ((8192, 4), (8192, 16)):
+        part = torch.empty(-(-flat.numel() // (block * iters)), device="cuda")
+
+        def fn(part=part, block=block, iters=iters):
+            read[(part.numel(),)](flat, part, flat.numel(), BLOCK=block, ITERS=iters, num_warps=8)
+            return part
+        run = Runner(rows, name, 0.0, nbytes, tol=1e-3)
+        run.run(f"read in order ({block} x {iters} a program)", fn,
+                lambda out: abs(out.sum().item() - want_sum.item()) / want_sum.abs().clamp_min(1).item())
+    tile_read = _tile_read()
+    for block_n, block_k, stages in ((128, 128, 3), (128, 64, 4), (32, 512, 3), (16, 1024, 3), (64, 256, 3)):
+        part = torch.empty(experts * -(-n // block_n), device="cuda")
+
+        def fn(part=part, block_n=block_n, block_k=block_k, stages=stages):
+            tile_read[(experts, -(-n // block_n))](w, part, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+                                                   num_warps=4, num_stages=stages)
+            return part
+        run = Runner(rows, name, 0.0, nbytes, tol=1e-3)
+        run.run(f"read in GEMM tiles ({block_n} rows x {block_k} a step, {stages} stages)", fn,
+                lambda out: abs(out.sum().item() - want_sum.item()) / want_sum.abs().clamp_min(1).item())
+    dst = torch.empty_like(w)
+    Runner(rows, name, 0.0, 2 * nbytes, tol=0.0).run(
+        "copy_ (bytes read + written)", lambda: dst.copy_(w), lambda out: float(not torch.equal(out, w)))
+    for m in (4, 16):
+        xb = torch.randn(experts, m, k, generator=g).to("cuda", torch.bfloat16)
+        want = torch.bmm(xb.float(), w.float().transpose(1, 2))
+        Runner(rows, name, 2.0 * experts * m * n * k, nbytes, tol=2e-2).run(
+            f"cuBLAS bmm, {m} rows an expert", lambda xb=xb: torch.bmm(xb, w.transpose(1, 2)),
+            lambda out, want=want: rel_err(out, want))
+        del want
+    for spread in (experts, 16):
+        ids = torch.stack([torch.randperm(spread, generator=g)[:top_k] for _ in range(t)]).to("cuda")
+        touched = ids.unique().numel() * n * k * w.element_size()
+        pair_rows = x.float()[torch.arange(t * top_k, device="cuda") // top_k]  # pair p = (token p // k, slot p % k)
+        want_pairs = torch.einsum("pk,pnk->pn", pair_rows, w[ids.view(-1)].float())
+        for cfg in ({}, {"BLOCK_N": 32, "BLOCK_K": 512}, {"BLOCK_N": 16, "BLOCK_K": 1024, "num_stages": 3},
+                    {"BLOCK_N": 64, "BLOCK_K": 256, "num_stages": 3}):
+            c = config_for(t * top_k, experts, n, x.device, cfg)
+            sort = sort_pairs(ids, experts, c["BLOCK_M"])
+            schedule = (sort.tile_expert, sort.tile_row0, sort.tile_row_end)
+            fn = lambda c=c, sort=sort, schedule=schedule: run_tiles(  # noqa: E731
+                x, w, None, schedule, t * top_k, c, order=sort.order, top_k=top_k)
+            check = lambda out, sort=sort: rel_err(out, want_pairs[sort.order.long()])  # noqa: E731
+            label = ",".join(f"{key}={v}" for key, v in cfg.items()) or "default tile"
+            Runner(rows, name, 2.0 * t * top_k * n * k, touched, tol=2e-2).run(
+                f"triton grouped, over {spread} experts: {label}", fn, check, graph_fns=[fn])
 
 
 def bench_route(rows, args, g):
@@ -855,7 +966,7 @@ from flash_peers import bench_flash  # noqa: E402  (the flashmla / flashinfer ba
 
 WORKLOADS = {"fused": bench_fused, "decode": bench_decode, "prefill": bench_prefill, "sparse": bench_sparse,
              "cache": bench_cache, "indexer": bench_indexer, "moe": bench_moe, "route": bench_route,
-             "flash": bench_flash}
+             "flash": bench_flash, "moe_bw": bench_moe_bw}
 
 if __name__ == "__main__":
     main()
