@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: set up what the image lacks, run a slice of the GPU tests,
-# then (after "--") a benchmark. Logs, JUnit XML and results go to $OUT; summaries print last.
+# then (after "--") benchmarks. Logs, JUnit XML and results go to $OUT; summaries print last.
 #
 #   bash benchmarks/h200_session.sh NAME [pytest args] [-- benchmark.py args]
 #   e.g. bash benchmarks/h200_session.sh ops tests/ops
 #        bash benchmarks/h200_session.sh none -- benchmarks/v4_decode.py --out $OUT/v4
+#        bash benchmarks/h200_session.sh none -- benchmarks/kernels.py --only moe_bw -- benchmarks/e2e_model.py ...
 #
 # Setup: the carried packages (.carry/, built by the project's gpu-carry tool) when present,
 # else wheels in .whl/. Tests run with -v, so a run cut by its timeout still lists every test
 # that finished. Knobs: NPROC (xdist workers, 8), T1 (whole pytest run, s, 400), TT (one test, s,
-# 300), BENCH_TIMEOUT (s, 500), REACH (0: no second run of the tests T1 cut off), T3 (that
-# run, s, 250), NPROC_REST (its workers, 4), RERUN (0: no serial rerun of failures), T2 (that
-# rerun, s, 200).
+# 300), REACH (0: no second run of the tests T1 cut off), T3 (that run, s, 250), NPROC_REST (its
+# workers, 4), RERUN (0: no serial rerun of failures), T2 (that rerun, s, 200), BENCH_TIMEOUT
+# (one benchmark, s, 500), BENCH_TOTAL (all benchmarks, s, 500).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -67,7 +68,14 @@ PY
     grep -E "^(FAILED|ERROR)| passed| failed" "$OUT/$name-rerun.log" | sort -u | tail -20
   fi
 fi
-if [ $# -gt 0 ]; then
-  timeout "${BENCH_TIMEOUT:-500}" python3 "$@" >"$OUT/bench.txt" 2>&1
-  echo "bench rc=$?"; tail -n 50 "$OUT/bench.txt"
-fi
+# Benchmarks: "a.py ARGS [-- b.py ARGS ...]", one after another, each in its own log (bench.txt,
+# bench2.txt, ...), each under BENCH_TIMEOUT and all of them under BENCH_TOTAL seconds.
+n=0; start=$SECONDS
+while [ $# -gt 0 ]; do
+  bench=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do bench+=("$1"); shift; done; [ $# -gt 0 ] && shift
+  n=$((n + 1)); log="$OUT/bench$([ $n -gt 1 ] && echo $n).txt"
+  left=$(( ${BENCH_TOTAL:-500} - (SECONDS - start) )); limit=${BENCH_TIMEOUT:-500}; [ $left -lt $limit ] && limit=$left
+  if [ $limit -le 0 ]; then echo "bench $n (${bench[0]}): not run, BENCH_TOTAL spent"; continue; fi
+  timeout "$limit" python3 "${bench[@]}" >"$log" 2>&1
+  echo "bench $n rc=$? (${bench[*]})"; tail -n 50 "$log"
+done
