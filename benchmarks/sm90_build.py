@@ -1,6 +1,8 @@
-"""Build mla_decode's Triton kernels for sm_90 without a GPU and report what the build holds.
+"""Build mla_decode's Triton kernels, and the MoE's grouped GEMM, for sm_90 without a GPU and
+report what the build holds.
 
     python benchmarks/sm90_build.py --form keys --tma --layout fp8 --block-n 32 --warps 8 --stages 4
+    python benchmarks/sm90_build.py --form grouped --block-m 16 --block-n 32 --block-k 512 --stages 3
 
 Prints registers, stack frame (spills), shared memory, wgmma (HGMMA) and mma.sync (HMMA) counts,
 copy-engine loads (UTMALDG), spill loads (LDL) from the cubin's SASS, and the number of copy
@@ -28,7 +30,27 @@ STRIDES_DIV16 = ["stride_qn_b", "stride_qn_s", "stride_qn_h", "stride_qp_b", "st
                  "stride_lse_split", "MAX_LEN"]
 
 
+def build_grouped(args):
+    """The grouped GEMM (mlagraph/ops/triton/grouped_fp8.py) for bf16 experts as the sorted MoE
+    path launches it at decode sizes: rows gathered by token (GATHER_K = top-k 6), bf16 out."""
+    from mlagraph.ops.triton import grouped_fp8
+
+    fn = grouped_fp8._grouped_fp8_kernel
+    types = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*bf16", "s_ptr": "*fp32", "out_ptr": "*bf16",
+             "tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_row_end_ptr": "*i32", "order_ptr": "*i32"}
+    consts = dict(NUM_EXPERTS=64, BLOCK_M=args.block_m, BLOCK_N=args.block_n, BLOCK_K=args.block_k, A_FP8=False,
+                  PRECISION="tf32", UPCAST=False, W_FP8=False, GATHER_K=6)
+    signature = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
+    div16 = [n for n, t in signature.items() if t.startswith("*")] + ["N", "K", "stride_xm", "stride_we",
+                                                                      "stride_wn", "stride_om"]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": args.warps, "num_stages": args.stages})
+
+
 def build(args):
+    if args.form == "grouped":
+        return build_grouped(args)
     from mlagraph.ops.triton import decode, decode_keys
 
     layout = {"bf16": 0, "fp8": 1, "fp8_ds": 2}[args.layout]
@@ -78,12 +100,14 @@ def report(kernel) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--form", choices=["rows", "keys"], default="keys")
+    p.add_argument("--form", choices=["rows", "keys", "grouped"], default="keys")
     p.add_argument("--tma", action="store_true", help="keys form: whole blocks through tensor descriptors")
     p.add_argument("--layout", choices=["bf16", "fp8", "fp8_ds"], default="bf16")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--s-q", type=int, default=1)
     p.add_argument("--block-n", type=int, default=32)
+    p.add_argument("--block-m", type=int, default=16, help="grouped: rows a tile")
+    p.add_argument("--block-k", type=int, default=128, help="grouped: K columns a step")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--splits", type=int, default=2)
