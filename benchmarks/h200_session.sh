@@ -79,3 +79,12 @@ while [ $# -gt 0 ]; do
   timeout "$limit" python3 "${bench[@]}" >"$log" 2>&1
   echo "bench $n rc=$? (${bench[*]})"; tail -n 50 "$log"
 done
+# The device returns at most 8 files from $OUT: past that, each folder a benchmark wrote goes
+# back as one archive (FOLDER.tgz).
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  for d in "$OUT"/*/; do
+    [ -d "$d" ] || continue
+    tar czf "${d%/}.tgz" -C "$OUT" "$(basename "$d")" && rm -rf "$d"
+  done
+  echo "results: $(find "$OUT" -type f | wc -l) files ($(ls "$OUT" | tr '\n' ' '))"
+fi
