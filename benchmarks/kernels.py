@@ -655,7 +655,8 @@ def bench_moe(rows, args, g):
                                              # two or more copy buffers (sm90_build.py --form grouped: at 2
                                              # stages the pipeliner keeps one, no load overlaps the MMAs)
                                              (16, 32, 512, 4, 3), (16, 32, 512, 4, 4), (16, 32, 1024, 4, 3),
-                                             (16, 16, 1024, 4, 3), (16, 32, 512, 2, 4), (16, 64, 256, 4, 4))]
+                                             (16, 16, 1024, 4, 3), (16, 16, 512, 2, 4), (16, 32, 512, 8, 4),
+                                             (16, 64, 256, 4, 4))]
     sweep_cfgs = [{"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}, {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4},
                   {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 8},
                   {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}, {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2},
