@@ -789,15 +789,15 @@ def _tile_read():
 
 
 def bench_moe_bw(rows, args, g):
-    """What bounds the grouped GEMM at decode sizes (issue: V2-Lite batch 32 runs the same on the
-    H200 as on the H100, about 2.6-2.75 TB/s, whatever its tiles). The same stacked gate_up
-    weights (V2-Lite: 64 experts x 2816 x 2048 bf16, 738 MB) read by: a kernel that only reads
-    them in order (the floor any reader has), one that only reads them in the grouped GEMM's
-    tiles (the access pattern's cost, without the GEMM), ``copy_`` (read + write), cuBLAS's batched GEMM at
-    4 and 16 rows an expert, and our grouped GEMM (gate_up only) at T = 32 with top-6 over all 64
-    experts and over 16 of them (the same rows and tiles, a quarter of the pages), at the default
-    tile and at tiles whose rows run 1-2 KB along K. Each checked first (the read against
-    torch's float32 sum, the GEMMs against a float32 product)."""
+    """What bounds the grouped GEMM at decode sizes (V2-Lite batch 32 ran as fast on the H100 as
+    on the H200, about 2.6-2.75 TB/s, whatever its tiles). The same stacked gate_up weights
+    (V2-Lite: 64 experts x 2816 x 2048 bf16, 738 MB) read by: a kernel that only reads them in
+    order (the floor any reader has); one that only reads them in the grouped GEMM's tiles (the
+    access pattern's cost, without the GEMM); ``copy_`` (read + write); cuBLAS's batched GEMM at
+    4 and 16 rows an expert; our grouped GEMM (gate_up only) at T = 32, top-6 over all 64
+    experts and over 16 of them (the same rows and tiles, a quarter of the pages), at the
+    default tile and at tiles whose rows run 1-2 KB along K. Each checked first (the reads
+    against torch's float32 sum, the GEMMs against a float32 product)."""
     from mlagraph.ops.triton.grouped_fp8 import config_for, run_tiles
     from mlagraph.ops.triton.moe_sort import sort_pairs
 
