@@ -2,7 +2,7 @@
 # One call on a lent GPU machine: set up what the image lacks, run a slice of the GPU tests,
 # then (after "--") benchmarks. Logs, JUnit XML and results go to $OUT; summaries print last.
 #
-#   bash benchmarks/h200_session.sh NAME [pytest args] [-- benchmark.py args]
+#   bash benchmarks/h200_session.sh NAME [pytest args] [-- bench.py args [-- bench2.py args ...]]
 #   e.g. bash benchmarks/h200_session.sh ops tests/ops
 #        bash benchmarks/h200_session.sh none -- benchmarks/v4_decode.py --out $OUT/v4
 #        bash benchmarks/h200_session.sh none -- benchmarks/kernels.py --only moe_bw -- benchmarks/e2e_model.py ...
