@@ -40,6 +40,8 @@ import time
 import traceback
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -746,46 +748,34 @@ def bench_moe(rows, args, g):
         torch.cuda.empty_cache()
 
 
-def _stream_read():
-    """A kernel that only reads: ITERS blocks of BLOCK contiguous elements a program, summed in
-    float32, one float out per program: the floor any reader of these bytes has."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(w_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        pid = tl.program_id(0)
-        acc = tl.zeros([BLOCK], tl.float32)
-        for i in range(ITERS):
-            offs = (pid.to(tl.int64) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-            acc += tl.load(w_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-        tl.store(out_ptr + pid, tl.sum(acc))
-
-    return kernel
+@triton.jit
+def _stream_read_kernel(w_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Only reads: ITERS blocks of BLOCK contiguous elements a program, summed in float32, one
+    float out per program: the floor any reader of these bytes has."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(ITERS):
+        offs = (pid.to(tl.int64) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(w_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc))
 
 
-def _tile_read():
-    """A kernel that reads [E, N, K] weights as the grouped GEMM's programs do, and computes
-    nothing: program (e, n) walks rows n*BLOCK_N.. of expert e along K, BLOCK_K columns a step
-    (expert fastest in the grid, as the GEMM's M tiles are), summing in float32. Plain loads (no
-    copy pipeline; built for sm_90, 48-80 registers), so as many programs an SM as fit keep
-    loads in flight: what it isolates is the order in which the bytes are asked for."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(w_ptr, out_ptr, N, K, stride_e, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        e, pid_n = tl.program_id(0), tl.program_id(1)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        base = w_ptr + e.to(tl.int64) * stride_e + cols[:, None].to(tl.int64) * K
-        acc = tl.zeros([BLOCK_N], tl.float32)  # one sum a row: few registers, so occupancy is not what differs
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            tile = tl.load(base + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
-            acc += tl.sum(tile.to(tl.float32), 1)
-        tl.store(out_ptr + e * tl.num_programs(1) + pid_n, tl.sum(acc, 0))
-
-    return kernel
+@triton.jit
+def _tile_read_kernel(w_ptr, out_ptr, N, K, stride_e, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Reads [E, N, K] weights as the grouped GEMM's programs do, and computes nothing: program
+    (e, n) walks rows n*BLOCK_N.. of expert e along K, BLOCK_K columns a step (expert fastest in
+    the grid, as the GEMM's M tiles are), summing in float32. Plain loads (no copy pipeline;
+    built for sm_90, 48-80 registers), so as many programs an SM as fit keep loads in flight:
+    what it isolates is the order in which the bytes are asked for."""
+    e, pid_n = tl.program_id(0), tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    base = w_ptr + e.to(tl.int64) * stride_e + cols[:, None].to(tl.int64) * K
+    acc = tl.zeros([BLOCK_N], tl.float32)  # one sum a row: few registers, so occupancy is not what differs
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        tile = tl.load(base + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+        acc += tl.sum(tile.to(tl.float32), 1)
+    tl.store(out_ptr + e * tl.num_programs(1) + pid_n, tl.sum(acc, 0))
 
 
 def bench_moe_bw(rows, args, g):
@@ -808,28 +798,24 @@ def bench_moe_bw(rows, args, g):
     name = f"moe_bw V2-Lite gate_up ({nbytes / 1e6:.0f} MB)"
     print(name, flush=True)
     flat = w.view(-1)
-    read = _stream_read()
     want_sum = flat.float().sum()
+    check_sum = lambda part: rel_err(part.sum(), want_sum)  # noqa: E731  (the reads' per-program sums)
     for block, iters in ((8192, 4), (8192, 16)):
         part = torch.empty(-(-flat.numel() // (block * iters)), device="cuda")
 
         def fn(part=part, block=block, iters=iters):
-            read[(part.numel(),)](flat, part, flat.numel(), BLOCK=block, ITERS=iters, num_warps=8)
+            _stream_read_kernel[(part.numel(),)](flat, part, flat.numel(), BLOCK=block, ITERS=iters, num_warps=8)
             return part
-        run = Runner(rows, name, 0.0, nbytes, tol=1e-3)
-        run.run(f"read in order ({block} x {iters} a program)", fn,
-                lambda out: abs(out.sum().item() - want_sum.item()) / want_sum.abs().clamp_min(1).item())
-    tile_read = _tile_read()
+        Runner(rows, name, 0.0, nbytes, tol=1e-3).run(f"read in order ({block} x {iters} a program)", fn, check_sum)
     for block_n, block_k in ((128, 128), (128, 64), (32, 512), (16, 1024), (64, 256)):
         part = torch.empty(experts * -(-n // block_n), device="cuda")
 
         def fn(part=part, block_n=block_n, block_k=block_k):
-            tile_read[(experts, -(-n // block_n))](w, part, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-                                                   num_warps=4)
+            _tile_read_kernel[(experts, -(-n // block_n))](w, part, n, k, w.stride(0), BLOCK_N=block_n,
+                                                           BLOCK_K=block_k, num_warps=4)
             return part
-        run = Runner(rows, name, 0.0, nbytes, tol=1e-3)
-        run.run(f"read in GEMM tiles ({block_n} rows x {block_k} a step)", fn,
-                lambda out: abs(out.sum().item() - want_sum.item()) / want_sum.abs().clamp_min(1).item())
+        Runner(rows, name, 0.0, nbytes, tol=1e-3).run(f"read in GEMM tiles ({block_n} rows x {block_k} a step)", fn,
+                                                      check_sum)
     dst = torch.empty_like(w)
     Runner(rows, name, 0.0, 2 * nbytes, tol=0.0).run(
         "copy_ (bytes read + written)", lambda: dst.copy_(w), lambda out: float(not torch.equal(out, w)))
