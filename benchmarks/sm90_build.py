@@ -40,12 +40,7 @@ def build_grouped(args):
              "tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_row_end_ptr": "*i32", "order_ptr": "*i32"}
     consts = dict(NUM_EXPERTS=64, BLOCK_M=args.block_m, BLOCK_N=args.block_n, BLOCK_K=args.block_k, A_FP8=False,
                   PRECISION="tf32", UPCAST=False, W_FP8=False, GATHER_K=6)
-    signature = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
-    div16 = [n for n, t in signature.items() if t.startswith("*")] + ["N", "K", "stride_xm", "stride_we",
-                                                                      "stride_wn", "stride_om"]
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": args.warps, "num_stages": args.stages})
+    return _compile(fn, types, consts, ["N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om"], args)
 
 
 def build(args):
@@ -74,8 +69,14 @@ def build(args):
         types["sc_desc"] = (f"tensordesc<fp32[{n},4]>" if layout == 2 else types["lat_desc"]) if args.tma else "constexpr"
         if not args.tma:
             consts.update(lat_desc=None, sc_desc=None, pe_desc=None)
+    return _compile(fn, types, consts, STRIDES_DIV16, args)
+
+
+def _compile(fn, types: dict, consts: dict, ints_div16: list[str], args):
+    """Builds ``fn`` for sm_90 with ``consts`` as constexprs, ``types`` for the pointers (other
+    arguments i32), every pointer and the ``ints_div16`` arguments marked 16-divisible."""
     signature = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
-    div16 = [n for n, t in signature.items() if t.startswith("*")] + STRIDES_DIV16
+    div16 = [n for n, t in signature.items() if t.startswith("*")] + ints_div16
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
     return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": args.warps, "num_stages": args.stages})
