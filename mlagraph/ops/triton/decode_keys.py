@@ -114,13 +114,20 @@ def _split_keys_kernel(
             visible = (page >= 0) & ((start + offs_n)[:, None] <= limit[None, :])
             m_i, l_i, accT = _attend(kv, pe, qnT, qpT, visible, scale, m_i, l_i, accT, BLOCK_N, BLOCK_H,
                                      DOT_DTYPE, F32)
-    for start in range(gather_lo, hi, BLOCK_N):  # with TMA: at most one (partial) block
+    # With TMA only the partial block is gathered. At 16 rows it goes in 16-key pieces, so its
+    # registers do not set the kernel's: sm_90 builds (benchmarks/sm90_build.py) of BLOCK_N 64,
+    # 4 warps spill 72-320 B with the whole [64, L] tile in registers and none with pieces, which
+    # is what lets one stage (one copy buffer, 110 KB) run two programs an SM. At 32 rows the
+    # pieces spill instead (104-168 B at 8 warps), so those keep whole blocks.
+    GATHER_N: tl.constexpr = min(BLOCK_N, 16) if TMA and BLOCK_H <= 16 else BLOCK_N
+    for start in range(gather_lo, hi, GATHER_N):
         pos, valid, rows = _block_rows(cache, bt_row, start, hi, stride_bt_p, stride_c_page, stride_c_tok, PAGE,
-                                       BLOCK_N)
-        kv = _load_latent(rows, valid, L, BL, LAYOUT, BLOCK_N, DOT_DTYPE, "evict_last")
+                                       GATHER_N)
+        kv = _load_latent(rows, valid, L, BL, LAYOUT, GATHER_N, DOT_DTYPE, "evict_last")
         pe = _load_rope(rows, valid, L, R, BR, LAYOUT, DOT_DTYPE)
         visible = valid[:, None] & (pos[:, None] <= limit[None, :])
-        m_i, l_i, accT = _attend(kv, pe, qnT, qpT, visible, scale, m_i, l_i, accT, BLOCK_N, BLOCK_H, DOT_DTYPE, F32)
+        m_i, l_i, accT = _attend(kv, pe, qnT, qpT, visible, scale, m_i, l_i, accT, GATHER_N, BLOCK_H, DOT_DTYPE,
+                                 F32)
 
     factor, row_lse = _normalizer(m_i, l_i, out_scale)
     oT = accT * factor[None, :]

@@ -179,6 +179,18 @@ def test_keys_major_missing_pages(device, config):
     check(args, device, config=config)
 
 
+@pytest.mark.parametrize("kind", ["bf16-f32", "bf16"])
+def test_keys_major_tma_tail_in_pieces(device, kind):
+    """At 16 rows or fewer the TMA form gathers a split's partial block in 16-key pieces: tails
+    of 3, 15 and 31 keys (one piece, two pieces, the second partial), one of them behind a -1 page."""
+    lens = [5, 0, 19, 1, 36, 63]
+    args = decode_args(kind, lens, 1, 32)
+    args[3][5, 1] = -1  # request 5 loses keys 32..62: its whole tail, both pieces
+    config = {**KEYS_TMA, "BLOCK_N": 32, "MAX_SPLITS": 1}
+    out, lse = check(args, device, config=config)
+    assert_padding(out, lse, lens, 1)
+
+
 def test_keys_major_tma_refusals():
     """TMA asked for where the copy engine cannot take a block whole: a clear error, nothing run."""
     args = decode_args("bf16-f32", [3, 0, 9], 1, 4)  # page 4 < BLOCK_N 16
@@ -263,8 +275,9 @@ GPU_KEYS = {"FORM": "keys", "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 
 @cuda_only
 @pytest.mark.parametrize("config", [GPU_KEYS, {**GPU_KEYS, "TMA": True}, {**GPU_KEYS, "TMA": True, "MAX_SPLITS": 1},
-                                    {**GPU_KEYS, "TMA": True, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4}],
-                         ids=["keys", "keys_tma", "keys_tma_direct", "keys_tma_32"])
+                                    {**GPU_KEYS, "TMA": True, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4},
+                                    {**GPU_KEYS, "TMA": True, "num_warps": 4, "num_stages": 1, "MAX_SPLITS": 4}],
+                         ids=["keys", "keys_tma", "keys_tma_direct", "keys_tma_32", "keys_tma_1stage"])
 @pytest.mark.parametrize("s_q", [1, 2])
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_ds"])
 def test_deepseek_shapes_keys_major(device, kind, s_q, config):
