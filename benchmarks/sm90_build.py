@@ -6,8 +6,14 @@ report what the build holds.
 
 Prints registers, stack frame (spills), shared memory, wgmma (HGMMA) and mma.sync (HMMA) counts,
 copy-engine loads (UTMALDG), spill loads (LDL) from the cubin's SASS, and the number of copy
-buffers the pipeliner allocated; ``--ttgir FILE`` writes the TTGIR. It uses the Triton installed
-here (CI's: 3.9), which is not the H200's 3.6: read the numbers as leads, and time on the device.
+buffers the pipeliner allocated; ``--ttgir FILE`` writes the TTGIR. It uses the Triton it
+imports; the H200's is 3.6 (torch 2.11), CI's 3.9, and the two allocate registers differently
+(a tile that spills in one may not in the other), so build with the device's:
+
+    pip install --no-deps --target /tmp/tri36 triton==3.6.0
+    PYTHONPATH=/tmp/tri36 python benchmarks/sm90_build.py --form keys --tma --block-n 64 --stages 1
+
+Read the numbers as leads, and time on the device.
 Arguments are specialised as the JIT does at a launch (pointers 16-byte aligned, strides and
 MAX_LEN divisible by 16), so loads vectorize as they would there.
 """

@@ -114,12 +114,12 @@ def _split_keys_kernel(
             visible = (page >= 0) & ((start + offs_n)[:, None] <= limit[None, :])
             m_i, l_i, accT = _attend(kv, pe, qnT, qpT, visible, scale, m_i, l_i, accT, BLOCK_N, BLOCK_H,
                                      DOT_DTYPE, F32)
-    # With TMA only the partial block is gathered. At 16 rows it goes in 16-key pieces, so its
-    # registers do not set the kernel's: sm_90 builds (benchmarks/sm90_build.py) of BLOCK_N 64,
-    # 4 warps spill 72-320 B with the whole [64, L] tile in registers and none with pieces, which
-    # is what lets one stage (one copy buffer, 110 KB) run two programs an SM. At 32 rows the
-    # pieces spill instead (104-168 B at 8 warps), so those keep whole blocks.
-    GATHER_N: tl.constexpr = min(BLOCK_N, 16) if TMA and BLOCK_H <= 16 else BLOCK_N
+    # With TMA only the partial block is gathered, in 16-key pieces, so its registers do not set
+    # the kernel's. sm_90 builds with the H200's Triton 3.6 (benchmarks/sm90_build.py), BLOCK_N
+    # 64: a whole gathered [64, L] tile spills 192 B at 16 rows / 4 warps / 2 stages and 208 B at
+    # 32 rows / 8 warps; in pieces neither spills, and one stage (one copy buffer, 110 KB at 16
+    # rows) fits two programs an SM. (Triton 3.9 spills the 32-row pieces instead, 104 B.)
+    GATHER_N: tl.constexpr = min(BLOCK_N, 16) if TMA else BLOCK_N
     for start in range(gather_lo, hi, GATHER_N):
         pos, valid, rows = _block_rows(cache, bt_row, start, hi, stride_bt_p, stride_c_page, stride_c_tok, PAGE,
                                        GATHER_N)

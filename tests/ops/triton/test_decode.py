@@ -179,16 +179,17 @@ def test_keys_major_missing_pages(device, config):
     check(args, device, config=config)
 
 
+@pytest.mark.parametrize("s_q", [1, 2])
 @pytest.mark.parametrize("kind", ["bf16-f32", "bf16"])
-def test_keys_major_tma_tail_in_pieces(device, kind):
-    """At 16 rows or fewer the TMA form gathers a split's partial block in 16-key pieces: tails
-    of 3, 15 and 31 keys (one piece, two pieces, the second partial), one of them behind a -1 page."""
+def test_keys_major_tma_tail_in_pieces(device, kind, s_q):
+    """The TMA form gathers a split's partial block in 16-key pieces: tails of 19, 4 and 31 keys
+    (two pieces, the second partial; one partial piece; two), the last behind a -1 page."""
     lens = [5, 0, 19, 1, 36, 63]
-    args = decode_args(kind, lens, 1, 32)
+    args = decode_args(kind, lens, s_q, 32)
     args[3][5, 1] = -1  # request 5 loses keys 32..62: its whole tail, both pieces
     config = {**KEYS_TMA, "BLOCK_N": 32, "MAX_SPLITS": 1}
     out, lse = check(args, device, config=config)
-    assert_padding(out, lse, lens, 1)
+    assert_padding(out, lse, lens, s_q)
 
 
 def test_keys_major_tma_refusals():
