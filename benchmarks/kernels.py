@@ -300,11 +300,11 @@ KEYS_SWEEP = {
     1: [{**_KT, "BLOCK_N": 64, "num_warps": w, "num_stages": 2, "MAX_SPLITS": s} for w in (4, 8) for s in (1, 2, 4)]
        + [{**_KT, "BLOCK_N": 32, "num_warps": 4, "num_stages": st, "MAX_SPLITS": s} for st in (3, 4) for s in (2, 4)]
        + [{"FORM": "keys", "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "MAX_SPLITS": s} for s in (1, 2)]
-       # one copy buffer (110 KB, 225 registers): two programs an SM, one's copy under the other's MMAs
-       + [{**_KT, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "MAX_SPLITS": s} for s in (2, 3, 4)],
+       # the rows form, now that the keys form is the default here
+       + [{"FORM": "rows"}],
     2: [{**_KT, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "MAX_SPLITS": s} for s in (1, 2, 4)]
        + [{**_KT, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MAX_SPLITS": 2},
-          {**_KT, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "MAX_SPLITS": 4}],
+          {**_KT, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "MAX_SPLITS": 4}, {"FORM": "rows"}],
 }
 
 DECODE_SWEEP = {  # (heads, layout, s_q[, batch]) -> config overrides (the rows-major form's
@@ -316,9 +316,11 @@ DECODE_SWEEP = {  # (heads, layout, s_q[, batch]) -> config overrides (the rows-
                        + [{**_KT, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "MAX_SPLITS": 4},
                           {**_KT, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MAX_SPLITS": 2}],
     # batch 1 (V2-Lite-sized decode): how many splits pay for their combine
-    (16, "bf16", 1, 1): [{"MAX_SPLITS": 8}] + [{**_KT, "BLOCK_N": 64, "num_warps": w, "num_stages": st, "MAX_SPLITS": s}
-                                              for w, st in ((4, 2), (8, 2), (4, 1)) for s in (8, 16)],
-    (16, "bf16", 1): [{**_KT, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "MAX_SPLITS": s} for s in (1, 2, 4)],
+    (16, "bf16", 1, 1): [{"FORM": "rows"}, {"FORM": "rows", "MAX_SPLITS": 8}]
+                        + [{**_KT, "BLOCK_N": 64, "num_warps": w, "num_stages": 2, "MAX_SPLITS": s}
+                           for w in (4, 8) for s in (8, 32)],
+    (16, "bf16", 1): [{**_KT, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "MAX_SPLITS": s} for s in (1, 2, 4)]
+                     + [{"FORM": "rows"}],
 }
 
 

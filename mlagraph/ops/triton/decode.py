@@ -33,8 +33,9 @@ float32. In the CPU interpreter every dot runs in float32 (its bf16 dot and bf16
 unreliable), so CPU results are the exact-arithmetic version of the GPU's.
 
 The keys-major form (:mod:`.decode_keys`, config ``FORM="keys"``, optionally ``TMA=True``) puts
-the keys on the MMA's M side for the memory-bound row counts; it is opt-in until the H200 suite
-has run with it as a default (measured: H=16 B=128 L=4096 bf16 190 us against this form's 229).
+the keys on the MMA's M side for the memory-bound row counts. With TMA it is the default on
+CUDA for bf16 caches at 32 rows or fewer whose 64-key blocks the copy engine can read whole
+(:func:`default_config`); other caches, fp8 layouts and more rows run the rows form here.
 
 Nothing here reads tensor values on the host, so a call can be captured in a CUDA graph.
 :func:`default_config` picks block sizes and MAX_SPLITS from shapes; :func:`mla_decode_with_config`
@@ -192,9 +193,16 @@ def _pick_splits(base: int, slots: int, cap: int) -> int:
 
 
 def default_config(batch: int, rows: int, max_len: int, kv_lora_rank: int, layout: str, q_dtype: torch.dtype,
-                   num_sms: int = H200_SMS) -> dict:
+                   num_sms: int = H200_SMS, keys_tma: bool = False) -> dict:
     """Block sizes, warps, stages and MAX_SPLITS from shapes only (numbers from compiling for
-    sm_90 offline: registers, spills, shared memory; not yet timed).
+    sm_90 offline: registers, spills, shared memory; not yet timed). ``keys_tma``: the copy
+    engine can read this cache's 64-key blocks whole (:func:`tma_blocks`).
+
+    - keys_tma, a bf16 cache, 32 rows or fewer (H=16 at s_q 1-2, a TP shard's heads), bf16 or
+      fp16 queries: the keys-major form (:mod:`.decode_keys`) with TMA, BLOCK_N 64, 4 warps, 2
+      stages (no spill, ~186-225 KB of shared memory: one CTA an SM), splits by the wave rule
+      alone. H100, 2026-12-07, B=128 L=4096: 216 us at s_q 1 (rows form 254), 246 at s_q 2
+      (rows 346); B=64 L=16384: 419 (rows 471), 2 splits (1 split: 728).
 
     - BLOCK_H: all of a request's rows (s_q * H) in one block, up to 64 (H=128: two blocks).
     - 64 rows (compute-bound): 8 warps, the float32 accumulator [64, 512] split over both warp
@@ -212,6 +220,12 @@ def default_config(batch: int, rows: int, max_len: int, kv_lora_rank: int, layou
     """
     fp32 = q_dtype == torch.float32
     block_h = min(16 if fp32 else 64, max(16, triton.next_power_of_2(rows)))
+    if keys_tma and layout == "bf16" and not fp32 and rows <= 32:
+        cap = max(1, min(64, triton.cdiv(max_len, 64)))
+        # few requests: a split per key block, if the SMs hold them (B=1 L=1024: 16 splits)
+        splits = cap if batch * cap <= num_sms else _pick_splits(batch, num_sms, cap)
+        return {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MAX_SPLITS": splits,
+                "FP16_DOT": False, "FORM": "keys", "TMA": True}
     if fp32:
         block_n, num_warps, num_stages, ctas_per_sm = 16, 4, 1, 1
     elif block_h >= 64:
@@ -256,6 +270,10 @@ def _check_config(config: dict, override: dict) -> None:
         raise ValueError(f"mla_decode config: FORM must be 'rows' or 'keys', got {config['FORM']!r}")
     if config["TMA"] and config["FORM"] != "keys":
         raise ValueError("mla_decode config: TMA needs FORM 'keys'")
+    if config["TMA"] and config["num_stages"] < 2:
+        # Not pipelined, the copies run inside the loop; with a bf16 cache that gave wrong
+        # outputs on an H100 (Triton 3.6, 2026-12-07), so it is refused rather than guessed at.
+        raise ValueError(f"mla_decode config: TMA needs num_stages >= 2, got {config['num_stages']}")
 
 
 def tma_blocks(kv_cache: torch.Tensor, latent: int, rope: int, block_n: int) -> str | None:
@@ -321,8 +339,14 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
     if batch == 0 or rows == 0:
         return out, lse
 
-    cfg = default_config(batch, rows, max_len, latent, layout, q_nope.dtype, _num_sms(q_nope.device))
+    # The keys-major TMA form is the default where it applies and the caller picked no form.
+    picked = {"FORM", "TMA"} & set(config or {})
+    keys_tma = (q_nope.device.type == "cuda" and layout == "bf16" and rows <= 32 and not picked
+                and tma_blocks(kv_cache, latent, rope, 64) is None)
+    cfg = default_config(batch, rows, max_len, latent, layout, q_nope.dtype, _num_sms(q_nope.device), keys_tma)
     cfg.update(config or {})
+    if cfg["TMA"] and "num_stages" not in (config or {}):
+        cfg["num_stages"] = max(2, cfg["num_stages"])  # TMA copies run pipelined (see _check_config)
     _check_config(cfg, config or {})
     block_h, block_n, max_splits = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["MAX_SPLITS"]
 

@@ -205,6 +205,8 @@ def test_keys_major_tma_refusals():
         kernels().mla_decode_with_config(*args, config=KEYS_TMA)
     with pytest.raises(ValueError, match="TMA needs FORM 'keys'"):
         kernels().mla_decode_with_config(*args, config={"TMA": True})
+    with pytest.raises(ValueError, match="TMA needs num_stages >= 2, got 1"):
+        kernels().mla_decode_with_config(*args, config={**KEYS_TMA, "num_stages": 1})
     with pytest.raises(ValueError, match="FORM must be 'rows' or 'keys'"):
         kernels().mla_decode_with_config(*args, config={"FORM": "cols"})
 
@@ -277,8 +279,8 @@ GPU_KEYS = {"FORM": "keys", "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 @cuda_only
 @pytest.mark.parametrize("config", [GPU_KEYS, {**GPU_KEYS, "TMA": True}, {**GPU_KEYS, "TMA": True, "MAX_SPLITS": 1},
                                     {**GPU_KEYS, "TMA": True, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4},
-                                    {**GPU_KEYS, "TMA": True, "num_warps": 4, "num_stages": 1, "MAX_SPLITS": 4}],
-                         ids=["keys", "keys_tma", "keys_tma_direct", "keys_tma_32", "keys_tma_1stage"])
+                                    {**GPU_KEYS, "TMA": True, "num_warps": 4, "MAX_SPLITS": 2}],
+                         ids=["keys", "keys_tma", "keys_tma_direct", "keys_tma_32", "keys_tma_4warps"])
 @pytest.mark.parametrize("s_q", [1, 2])
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_ds"])
 def test_deepseek_shapes_keys_major(device, kind, s_q, config):
@@ -336,6 +338,25 @@ def test_default_config_heuristic():
     assert cfg(4, 16, 48, 512, "bf16", torch.bfloat16)["MAX_SPLITS"] == 1  # too short to split
     verify = cfg(8, 3 * 128, 4096, 512, "bf16", torch.bfloat16)  # s_q rows join the heads
     assert verify["BLOCK_H"] == 64
+
+
+def test_default_config_keys_major_where_tma_reads_the_cache():
+    """With keys_tma (the caller found the cache's 64-key blocks copyable whole) a bf16 cache at 32
+    rows or fewer takes the keys-major TMA form, its splits filling the SMs once; anything else
+    keeps the rows form."""
+    cfg = kernels().default_config
+    keys = {"FORM": "keys", "TMA": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    for rows, block_h in ((16, 16), (32, 32), (8, 16)):
+        got = cfg(128, rows, 4096, 512, "bf16", torch.bfloat16, 132, keys_tma=True)
+        assert {k: got[k] for k in keys} == keys and got["BLOCK_H"] == block_h
+    assert cfg(128, 16, 4096, 512, "bf16", torch.bfloat16, 132, keys_tma=True)["MAX_SPLITS"] == 1
+    assert cfg(64, 16, 16384, 512, "bf16", torch.bfloat16, 132, keys_tma=True)["MAX_SPLITS"] == 2
+    lone = cfg(1, 16, 1024, 512, "bf16", torch.bfloat16, 132, keys_tma=True)
+    assert lone["MAX_SPLITS"] == 16  # one request: one 64-key block a split
+    for args in [(128, 48, 4096, 512, "bf16", torch.bfloat16), (128, 16, 4096, 512, "fp8_ds", torch.bfloat16),
+                 (128, 16, 4096, 512, "bf16", torch.float32)]:
+        assert cfg(*args, 132, keys_tma=True)["FORM"] == "rows"
+    assert cfg(128, 16, 4096, 512, "bf16", torch.bfloat16, 132)["FORM"] == "rows"
 
 
 def test_bad_config():
