@@ -835,9 +835,9 @@ def bench_moe_bw(rows, args, g):
         touched = ids.unique().numel() * n * k * w.element_size()
         pair_rows = x.float()[torch.arange(t * top_k, device="cuda") // top_k]  # pair p = (token p // k, slot p % k)
         want_pairs = torch.einsum("pk,pnk->pn", pair_rows, w[ids.view(-1)].float())
-        for cfg in ({}, {"BLOCK_N": 32, "BLOCK_K": 512}, {"BLOCK_N": 16, "BLOCK_K": 1024, "num_stages": 3},
-                    {"BLOCK_N": 64, "BLOCK_K": 256, "num_stages": 3}):
-            c = config_for(t * top_k, experts, n, x.device, cfg)
+        for cfg in ({}, {"BLOCK_N": 128, "BLOCK_K": 128}, {"BLOCK_N": 32, "BLOCK_K": 512},
+                    {"BLOCK_N": 16, "BLOCK_K": 1024, "num_stages": 3}):
+            c = config_for(t * top_k, experts, n, x.device, cfg, float_experts=True)
             sort = sort_pairs(ids, experts, c["BLOCK_M"])
             schedule = (sort.tile_expert, sort.tile_row0, sort.tile_row_end)
             fn = lambda c=c, sort=sort, schedule=schedule: run_tiles(  # noqa: E731

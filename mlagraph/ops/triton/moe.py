@@ -47,6 +47,7 @@ from ._fp8 import from_fp8_bits
 from ._hardware import interpreted
 from ._launch import check_runnable
 from .grouped_fp8 import config_for as grouped_config
+from .grouped_fp8 import half_experts
 from .grouped_fp8 import run_tiles
 from .moe_glue import combine_rows, silu_mul, silu_mul_apart, unsort_combine
 from .moe_sort import ONE_PROGRAM_MAX_PAIRS, sort_pairs
@@ -245,8 +246,10 @@ def grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert=N
     num_local, two_inter = gate_up_proj.shape[:2]
     pairs = num_tokens * top_k
     # one schedule (BLOCK_M rows a tile) for both GEMMs; BLOCK_N from each GEMM's own width
-    up_cfg = grouped_config(pairs, num_local, two_inter, hidden.device, config)
-    down_cfg = grouped_config(pairs, num_local, down_proj.shape[1], hidden.device, config)
+    up_cfg = grouped_config(pairs, num_local, two_inter, hidden.device, config,
+                            float_experts=half_experts(gate_up_proj, gate_up_scale))
+    down_cfg = grouped_config(pairs, num_local, down_proj.shape[1], hidden.device, config,
+                              float_experts=half_experts(down_proj, down_scale))
     sort = sort_pairs(ids, num_local, up_cfg["BLOCK_M"], first_expert)
     gate_up = run_tiles(hidden, gate_up_proj, gate_up_scale, sort.schedule, pairs, up_cfg, order=sort.order,
                         top_k=top_k)

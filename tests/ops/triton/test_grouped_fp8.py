@@ -138,6 +138,19 @@ def test_float_experts_take_other_k_steps(device, block_k):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def test_default_tile_of_16_bit_experts_at_decode_sizes():
+    """bf16 / fp16 experts in 16-row tiles step K by 256 over 64 columns (the H100's moe_bw run:
+    as fast over all experts, faster where the rows crowd a few); fp8 experts and float32 ones
+    do not take it (fp8: one scale block a step)."""
+    from mlagraph.ops.triton.grouped_fp8 import default_config, half_experts
+
+    got = default_config(192, 64, 2816, "cuda", interpreter=False, float_experts=True)
+    assert got == {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+    w, s = _experts("cpu")
+    assert not half_experts(w, s) and not half_experts(torch.zeros(2, 2, 2), None)
+    assert half_experts(torch.zeros(2, 2, 2, dtype=torch.bfloat16), None)
+
+
 @pytest.mark.parametrize("block_k", [64, 96])
 def test_fp8_experts_refuse_a_k_step_other_than_the_scale_block(block_k):
     w, s = _experts("cpu")
