@@ -200,9 +200,10 @@ def default_config(batch: int, rows: int, max_len: int, kv_lora_rank: int, layou
 
     - keys_tma, a bf16 cache, 32 rows or fewer (H=16 at s_q 1-2, a TP shard's heads), bf16 or
       fp16 queries: the keys-major form (:mod:`.decode_keys`) with TMA, BLOCK_N 64, 4 warps, 2
-      stages (no spill, ~186-225 KB of shared memory: one CTA an SM), splits by the wave rule
-      alone. H100, 2026-12-07, B=128 L=4096: 216 us at s_q 1 (rows form 254), 246 at s_q 2
-      (rows 346); B=64 L=16384: 419 (rows 471), 2 splits (1 split: 728).
+      stages (no spill, ~186-225 KB of shared memory: one CTA an SM); splits: one a key block
+      where the SMs hold them all (a lone request), else by the wave rule over one CTA an SM.
+      H100, 2026-12-07, B=128 L=4096: 216 us at s_q 1 (rows form 254), 246 at s_q 2 (rows
+      346); B=64 L=16384: 419 (rows 471), 2 splits (1 split: 728).
 
     - BLOCK_H: all of a request's rows (s_q * H) in one block, up to 64 (H=128: two blocks).
     - 64 rows (compute-bound): 8 warps, the float32 accumulator [64, 512] split over both warp

@@ -117,8 +117,8 @@ def _split_keys_kernel(
     # With TMA only the partial block is gathered, in 16-key pieces, so its registers do not set
     # the kernel's. sm_90 builds with the H200's Triton 3.6 (benchmarks/sm90_build.py), BLOCK_N
     # 64: a whole gathered [64, L] tile spills 192 B at 16 rows / 4 warps / 2 stages and 208 B at
-    # 32 rows / 8 warps; in pieces neither spills, and one stage (one copy buffer, 110 KB at 16
-    # rows) fits two programs an SM. (Triton 3.9 spills the 32-row pieces instead, 104 B.)
+    # 32 rows / 8 warps; in pieces neither spills. (Triton 3.9 spills the 32-row pieces instead,
+    # 104 B.)
     GATHER_N: tl.constexpr = min(BLOCK_N, 16) if TMA else BLOCK_N
     for start in range(gather_lo, hi, GATHER_N):
         pos, valid, rows = _block_rows(cache, bt_row, start, hi, stride_bt_p, stride_c_page, stride_c_tok, PAGE,

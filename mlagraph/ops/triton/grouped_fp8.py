@@ -113,11 +113,11 @@ def default_config(num_rows: int, num_experts: int, n: int, device, interpreter:
     """Tiles from shapes only (no autotuning): 16-row M tiles for decode-sized groups (a few rows
     an expert: an expert's weights are read once per 16 of its rows), 64 past them; N tiles of
     64 where 128-wide ones would leave SMs idle (a decode-sized dense linear). 16-bit float
-    experts (``float_experts``) in 16-row tiles take 64 x 256 (N x K): on an H100 (2026-12-07, ``kernels.py --only moe_bw``,
-    V2-Lite gate_up at T=32, top-6) as fast as 128 x 128 over all 64 experts (247 vs 246 us,
-    3.0 TB/s, the card's copy rate) and 14% faster when the rows crowd 16 of them (67 vs 78 us):
-    twice the programs, each weight row read in 512-byte runs. fp8 experts keep K steps of 128
-    (one scale block)."""
+    experts (``float_experts``) in 16-row tiles take 64 x 256 (N x K): on an H100 (2026-12-07,
+    ``kernels.py --only moe_bw``, V2-Lite gate_up at T=32, top-6) as fast as 128 x 128 over all
+    64 experts (247 vs 246 us, 3.0 TB/s, the card's copy rate) and 14% faster when the rows
+    crowd 16 of them (67 vs 78 us): twice the programs, each weight row read in 512-byte runs.
+    fp8 experts keep K steps of 128 (one scale block)."""
     if interpreter:
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": BLOCK_K, "num_warps": 4, "num_stages": 1}
     block_m = 16 if num_rows <= 4 * num_experts else 64
