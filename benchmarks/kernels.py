@@ -837,11 +837,10 @@ def bench_moe_bw(rows, args, g):
         want_pairs = torch.einsum("pk,pnk->pn", pair_rows, w[ids.view(-1)].float())
         for cfg in ({}, {"BLOCK_N": 128, "BLOCK_K": 128}, {"BLOCK_N": 32, "BLOCK_K": 512},
                     {"BLOCK_N": 16, "BLOCK_K": 1024, "num_stages": 3}):
-            c = config_for(t * top_k, experts, n, x.device, cfg, float_experts=True)
+            c = config_for(t * top_k, experts, n, x.device, cfg, half_experts=True)
             sort = sort_pairs(ids, experts, c["BLOCK_M"])
-            schedule = (sort.tile_expert, sort.tile_row0, sort.tile_row_end)
-            fn = lambda c=c, sort=sort, schedule=schedule: run_tiles(  # noqa: E731
-                x, w, None, schedule, t * top_k, c, order=sort.order, top_k=top_k)
+            fn = lambda c=c, sort=sort: run_tiles(  # noqa: E731
+                x, w, None, sort.schedule, t * top_k, c, order=sort.order, top_k=top_k)
             check = lambda out, sort=sort: rel_err(out, want_pairs[sort.order.long()])  # noqa: E731
             label = ",".join(f"{key}={v}" for key, v in cfg.items()) or "default tile"
             Runner(rows, name, 2.0 * t * top_k * n * k, touched, tol=2e-2).run(

@@ -11,7 +11,7 @@ imports; the H200's is 3.6 (torch 2.11), CI's 3.9, and the two allocate register
 (a tile that spills in one may not in the other), so build with the device's:
 
     pip install --no-deps --target /tmp/tri36 triton==3.6.0
-    PYTHONPATH=/tmp/tri36 python benchmarks/sm90_build.py --form keys --tma --block-n 64 --stages 1
+    PYTHONPATH=/tmp/tri36 python benchmarks/sm90_build.py --form keys --tma --block-n 64 --stages 2
 
 Read the numbers as leads, and time on the device.
 Arguments are specialised as the JIT does at a launch (pointers 16-byte aligned, strides and

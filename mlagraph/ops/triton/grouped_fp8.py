@@ -109,11 +109,11 @@ def fp8_activations_pay(x: torch.Tensor, num_experts: int) -> bool:
 
 
 def default_config(num_rows: int, num_experts: int, n: int, device, interpreter: bool,
-                   float_experts: bool = False) -> dict:
+                   half_experts: bool = False) -> dict:
     """Tiles from shapes only (no autotuning): 16-row M tiles for decode-sized groups (a few rows
     an expert: an expert's weights are read once per 16 of its rows), 64 past them; N tiles of
-    64 where 128-wide ones would leave SMs idle (a decode-sized dense linear). 16-bit float
-    experts (``float_experts``) in 16-row tiles take 64 x 256 (N x K): on an H100 (2026-12-07,
+    64 where 128-wide ones would leave SMs idle (a decode-sized dense linear). bf16 / fp16
+    experts (``half_experts``) in 16-row tiles take 64 x 256 (N x K): on an H100 (2026-12-07,
     ``kernels.py --only moe_bw``, V2-Lite gate_up at T=32, top-6) as fast as 128 x 128 over all
     64 experts (247 vs 246 us, 3.0 TB/s, the card's copy rate) and 14% faster when the rows
     crowd 16 of them (67 vs 78 us): twice the programs, each weight row read in 512-byte runs.
@@ -121,7 +121,7 @@ def default_config(num_rows: int, num_experts: int, n: int, device, interpreter:
     if interpreter:
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": BLOCK_K, "num_warps": 4, "num_stages": 1}
     block_m = 16 if num_rows <= 4 * num_experts else 64
-    if float_experts and block_m == 16:
+    if half_experts and block_m == 16:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
     tiles = -(-num_rows // block_m) + min(num_experts, num_rows)
     block_n = 64 if tiles * triton.cdiv(n, 128) < 2 * hardware(device).num_sms else 128
@@ -134,12 +134,12 @@ def half_experts(w: torch.Tensor, scale: torch.Tensor | None) -> bool:
 
 
 def config_for(num_rows: int, num_experts: int, n: int, device, override: dict | None,
-               float_experts: bool = False) -> dict:
+               half_experts: bool = False) -> dict:
     """:func:`default_config` with ``override``'s keys in its place, checked: unknown keys and
     tiles that are not powers of two >= 16 raise (BLOCK_M must match the tile schedule's).
     BLOCK_K other than 128 is for float experts only (:func:`run_tiles` refuses it with fp8
     weights or activations: their scales are per 128 columns)."""
-    config = default_config(num_rows, num_experts, n, device, interpreted(_grouped_fp8_kernel), float_experts)
+    config = default_config(num_rows, num_experts, n, device, interpreted(_grouped_fp8_kernel), half_experts)
     unknown = set(override or {}) - set(config)
     if unknown:
         raise ValueError(f"grouped GEMM config: unknown keys {sorted(unknown)}; known: {sorted(config)}")
@@ -197,7 +197,7 @@ def run_tiles(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, sche
 
 def _grouped(x, w, scale, offs, quantize_activations, config):
     check_runnable("moe", _grouped_fp8_kernel, x, namespace="mlagraph")
-    cfg = config_for(x.shape[0], w.shape[0], w.shape[1], x.device, config, float_experts=half_experts(w, scale))
+    cfg = config_for(x.shape[0], w.shape[0], w.shape[1], x.device, config, half_experts=half_experts(w, scale))
     schedule = tile_schedule(offs, x.shape[0], cfg["BLOCK_M"])
     return run_tiles(x, w, scale, schedule, x.shape[0], cfg, quantize_activations=quantize_activations)
 

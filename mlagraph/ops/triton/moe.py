@@ -247,9 +247,9 @@ def grouped_triton(hidden, weights, ids, gate_up_proj, down_proj, first_expert=N
     pairs = num_tokens * top_k
     # one schedule (BLOCK_M rows a tile) for both GEMMs; BLOCK_N from each GEMM's own width
     up_cfg = grouped_config(pairs, num_local, two_inter, hidden.device, config,
-                            float_experts=half_experts(gate_up_proj, gate_up_scale))
+                            half_experts=half_experts(gate_up_proj, gate_up_scale))
     down_cfg = grouped_config(pairs, num_local, down_proj.shape[1], hidden.device, config,
-                              float_experts=half_experts(down_proj, down_scale))
+                              half_experts=half_experts(down_proj, down_scale))
     sort = sort_pairs(ids, num_local, up_cfg["BLOCK_M"], first_expert)
     gate_up = run_tiles(hidden, gate_up_proj, gate_up_scale, sort.schedule, pairs, up_cfg, order=sort.order,
                         top_k=top_k)

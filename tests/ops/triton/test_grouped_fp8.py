@@ -144,7 +144,7 @@ def test_default_tile_of_16_bit_experts_at_decode_sizes():
     do not take it (fp8: one scale block a step)."""
     from mlagraph.ops.triton.grouped_fp8 import default_config, half_experts
 
-    got = default_config(192, 64, 2816, "cuda", interpreter=False, float_experts=True)
+    got = default_config(192, 64, 2816, "cuda", interpreter=False, half_experts=True)
     assert got == {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
     w, s = _experts("cpu")
     assert not half_experts(w, s) and not half_experts(torch.zeros(2, 2, 2), None)
