@@ -52,7 +52,7 @@ def build_grouped(args):
 def build(args):
     if args.form == "grouped":
         return build_grouped(args)
-    from mlagraph.ops.triton import decode, decode_keys
+    from mlagraph.ops.triton import decode, decode_keys, decode_keys_fp8
 
     layout = {"bf16": 0, "fp8": 1, "fp8_ds": 2}[args.layout]
     cache = "*bf16" if layout == 0 else "*u8"
@@ -64,17 +64,14 @@ def build(args):
     if args.form == "rows":
         fn = decode._split_kernel
     else:
-        fn = decode_keys._split_keys_kernel
+        # bf16: whole [n, 512] boxes (decode_keys); fp8 layouts: [n, 128] byte chunks (decode_keys_fp8)
+        fn = decode_keys._split_keys_kernel if layout == 0 else decode_keys_fp8._split_keys_fp8_kernel
         consts["TMA"] = args.tma
-        if "CHUNK" in fn.arg_names:
-            consts["CHUNK"] = args.chunk
         n = args.block_n
-        elem = "bf16" if layout == 0 else "u8"
-        types["lat_desc"] = f"tensordesc<{elem}[{n},512]>" if args.tma else "constexpr"
-        types["pe_desc"] = (f"tensordesc<{'bf16' if layout != 1 else 'u8'}[{n},64]>" if args.tma else "constexpr")
-        types["sc_desc"] = (f"tensordesc<fp32[{n},4]>" if layout == 2 else types["lat_desc"]) if args.tma else "constexpr"
+        types["lat_desc"] = ("tensordesc<bf16[%d,512]>" if layout == 0 else "tensordesc<u8[%d,128]>") % n
+        types["pe_desc"] = f"tensordesc<{'bf16' if layout != 1 else 'u8'}[{n},64]>"
         if not args.tma:
-            consts.update(lat_desc=None, sc_desc=None, pe_desc=None)
+            consts.update(lat_desc=None, pe_desc=None)
     return _compile(fn, types, consts, STRIDES_DIV16, args)
 
 
@@ -118,7 +115,6 @@ def main() -> None:
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--splits", type=int, default=2)
-    p.add_argument("--chunk", type=int, default=64, help="keys form, where the kernel has CHUNK")
     p.add_argument("--ttgir", default=None, help="write the TTGIR here")
     args = p.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

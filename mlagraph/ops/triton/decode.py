@@ -53,6 +53,7 @@ import triton.language as tl
 from ._decode_tiles import (_block_rows, _dot, _kv_len, _load_latent, _load_rope, _normalizer, _query_rows,
                             _score_scales, _split_len, _split_run)
 from .decode_keys import _split_keys_kernel
+from .decode_keys_fp8 import _split_keys_fp8_kernel
 from ._hardware import H200_SMS, hardware, interpreted
 from ._launch import check_runnable
 
@@ -295,19 +296,19 @@ def tma_blocks(kv_cache: torch.Tensor, latent: int, rope: int, block_n: int) -> 
 
 
 def _cache_descriptors(kv_cache: torch.Tensor, layout: str, latent: int, rope: int, block_n: int):
-    """(latent, scales, rope) tensor descriptors over the cache's rows [pages * page_size, W]:
-    boxes of block_n rows (see decode_keys). Out-of-bounds rows (a -1 page) read as zeros."""
+    """(latent, rope) tensor descriptors over the cache's rows [pages * page_size, W]: boxes of
+    block_n rows (see decode_keys). Out-of-bounds rows (a -1 page) read as zeros."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     rows = kv_cache.reshape(-1, kv_cache.shape[-1])
-    if layout != "fp8_ds":
+    if layout == "bf16":
         lat = TensorDescriptor.from_tensor(rows, [block_n, latent])
-        return lat, lat, TensorDescriptor.from_tensor(rows, [block_n, rope])
-    scales = rows.view(torch.float32)  # 656-byte rows: 164 floats, the G scales at float L/4
-    pe = rows.view(torch.bfloat16)
-    return (TensorDescriptor.from_tensor(rows, [block_n, latent]),
-            TensorDescriptor.from_tensor(scales, [block_n, latent // 128]),
-            TensorDescriptor.from_tensor(pe, [block_n, rope]))
+        return lat, TensorDescriptor.from_tensor(rows, [block_n, rope])
+    # fp8 layouts: the latent's bytes in four column chunks (decode_keys_fp8); fp8_ds's scales
+    # are read with plain loads, its rope as bf16 (656-byte rows).
+    lat = TensorDescriptor.from_tensor(rows, [block_n, latent // 4])
+    pe = rows if layout == "fp8" else rows.view(torch.bfloat16)
+    return lat, TensorDescriptor.from_tensor(pe, [block_n, rope])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,6 +350,11 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
     if cfg["TMA"] and "num_stages" not in (config or {}):
         cfg["num_stages"] = max(2, cfg["num_stages"])  # TMA copies run pipelined (see _check_config)
     _check_config(cfg, config or {})
+    if cfg["FORM"] == "keys" and layout != "bf16" and (_dot_width(latent) < 64 or layout == "fp8_ds" and latent > 512):
+        # decode_keys_fp8 reads the latent in four chunks of at least 16 columns, and an fp8_ds
+        # chunk must lie inside one 128-column scale group.
+        raise ValueError(f"mla_decode config: FORM 'keys' with a {layout!r} cache needs kv_lora_rank "
+                         f"{'64..512' if layout == 'fp8_ds' else '>= 64'}, got {latent}")
     block_h, block_n, max_splits = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["MAX_SPLITS"]
 
     if kv_cache.stride(-1) != 1:  # rows are read as contiguous runs of bytes / values
@@ -386,14 +392,15 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
         _split_kernel[grid](q_nope, q_pe, kv_cache, block_table, seq_lens, fp8_scale, part_out, part_lse,
                             *common, **meta)
     else:
-        descs = (None, None, None)
+        descs = (None, None)
         if cfg["TMA"]:
             why = tma_blocks(kv_cache, latent, rope, block_n)
             if why is not None:
                 raise ValueError(f"mla_decode config: TMA asked for, but {why}")
             descs = _cache_descriptors(kv_cache, layout, latent, rope, block_n)
-        _split_keys_kernel[grid](q_nope, q_pe, kv_cache, *descs, block_table, seq_lens, fp8_scale, part_out,
-                                 part_lse, *common, TMA=bool(cfg["TMA"]), **meta)
+        kernel = _split_keys_kernel if layout == "bf16" else _split_keys_fp8_kernel
+        kernel[grid](q_nope, q_pe, kv_cache, *descs, block_table, seq_lens, fp8_scale, part_out, part_lse, *common,
+                     TMA=bool(cfg["TMA"]), **meta)
     if not direct:
         _combine_kernel[(rows, batch)](
             part_out, part_lse, out, lse, seq_lens, seq_lens.stride(0), max_len,

@@ -1,4 +1,6 @@
-"""Triton ``mla_decode``, keys-major form: for the memory-bound row counts (H * s_q <= 32).
+"""Triton ``mla_decode``, keys-major form: for the memory-bound row counts (H * s_q <= 32), float
+caches ("bf16"); the fp8 caches' variant, which reads the latent in byte chunks, is
+:mod:`.decode_keys_fp8`.
 
 Same math, splits, masks and outputs as :mod:`.decode`'s rows-major ``_split_kernel`` (read its
 docstring first); what differs is the orientation of the two products. With few query rows
@@ -28,27 +30,12 @@ import triton.language as tl
 
 from ._decode_tiles import (_block_rows, _dot, _load_latent, _load_rope, _normalizer, _query_rows, _score_scales,
                             _split_run)
-from ._fp8 import from_fp8_bits
 
 
 @triton.jit
-def _copy_tile(lat_desc, sc_desc, pe_desc, row0, L: tl.constexpr, R: tl.constexpr, LAYOUT: tl.constexpr,
-               BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """BLOCK_N cache rows from row ``row0`` through the copy engine -> (kv [BLOCK_N, L], pe [BLOCK_N, R]),
-    in DOT_DTYPE; fp8 values unscaled (see _load_latent)."""
-    if LAYOUT == 0:  # one descriptor over [rows, L + R] values
-        kv = lat_desc.load([row0, 0])
-        pe = pe_desc.load([row0, L])
-    elif LAYOUT == 1:  # [rows, L + R] e4m3 bytes
-        kv = from_fp8_bits(lat_desc.load([row0, 0]))
-        pe = from_fp8_bits(pe_desc.load([row0, L]))
-    else:  # fp8_ds rows viewed three ways: bytes (latent), float32 (scales), bf16 (rope)
-        G: tl.constexpr = L // 128
-        bits = lat_desc.load([row0, 0])
-        scales = sc_desc.load([row0, L // 4])  # [BLOCK_N, G] float32 at byte L
-        kv = tl.reshape(tl.reshape(from_fp8_bits(bits), [BLOCK_N, G, 128]) * scales[:, :, None], [BLOCK_N, L])
-        pe = pe_desc.load([row0, L // 2 + 2 * G])  # bf16 at byte L + 4G
-    return kv.to(DOT_DTYPE), pe.to(DOT_DTYPE)
+def _copy_tile(lat_desc, pe_desc, row0, L: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """BLOCK_N cache rows from row ``row0`` through the copy engine -> (kv [BLOCK_N, L], pe [BLOCK_N, R])."""
+    return lat_desc.load([row0, 0]).to(DOT_DTYPE), pe_desc.load([row0, L]).to(DOT_DTYPE)
 
 
 @triton.jit
@@ -70,7 +57,7 @@ def _attend(kv, pe, qnT, qpT, visible, scale, m_i, l_i, accT, BLOCK_N: tl.conste
 
 @triton.jit
 def _split_keys_kernel(
-    q_nope, q_pe, cache, lat_desc, sc_desc, pe_desc, block_table, seq_lens, fp8_scale, out, lse,
+    q_nope, q_pe, cache, lat_desc, pe_desc, block_table, seq_lens, fp8_scale, out, lse,
     qk_scale,  # softmax_scale * log2(e)
     stride_qn_b, stride_qn_s, stride_qn_h, stride_qp_b, stride_qp_s, stride_qp_h,
     stride_c_page, stride_c_tok, stride_bt_b, stride_bt_p, stride_sl,
@@ -109,8 +96,7 @@ def _split_keys_kernel(
         gather_lo = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)  # the partial block's start
         for start in range(lo, gather_lo, BLOCK_N):
             page = tl.load(bt_row + (start // PAGE) * stride_bt_p)
-            kv, pe = _copy_tile(lat_desc, sc_desc, pe_desc, page * PAGE + start % PAGE, L, R, LAYOUT, BLOCK_N,
-                                DOT_DTYPE)
+            kv, pe = _copy_tile(lat_desc, pe_desc, page * PAGE + start % PAGE, L, DOT_DTYPE)
             visible = (page >= 0) & ((start + offs_n)[:, None] <= limit[None, :])
             m_i, l_i, accT = _attend(kv, pe, qnT, qpT, visible, scale, m_i, l_i, accT, BLOCK_N, BLOCK_H,
                                      DOT_DTYPE, F32)
