@@ -56,7 +56,7 @@ def _gather_bits(rows, valid, c: tl.constexpr, L: tl.constexpr, CW: tl.constexpr
 @triton.jit
 def _chunk_scores(bits, s, qnT_c, sT, LAYOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, F32: tl.constexpr):
     """sT + s * (kv_c @ qnT_c), keys x rows; kv_c converted from its bytes here."""
-    kv = from_fp8_bits(bits).to(DOT_DTYPE)
+    kv = bits.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)  # e4m3 -> DOT_DTYPE directly, exact
     if LAYOUT == 2:
         return sT + s[:, None] * _dot(kv, qnT_c, tl.zeros_like(sT), F32)
     else:
@@ -66,10 +66,10 @@ def _chunk_scores(bits, s, qnT_c, sT, LAYOUT: tl.constexpr, DOT_DTYPE: tl.conste
 @triton.jit
 def _chunk_values(bits, s, p, accT_c, LAYOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, F32: tl.constexpr):
     """accT_c + kv_c^T @ (p * s): chunk c's rows of the output, converted again from its bytes."""
-    kv = from_fp8_bits(bits).to(DOT_DTYPE)
+    kvT = tl.trans(bits).to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
     if LAYOUT == 2:
         p = p * s[:, None]
-    return _dot(tl.trans(kv), p.to(DOT_DTYPE), accT_c, F32)
+    return _dot(kvT, p.to(DOT_DTYPE), accT_c, F32)
 
 
 @triton.jit
