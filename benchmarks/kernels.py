@@ -246,13 +246,17 @@ def bench_decode(rows, args, g):
         want = REF.mla_decode(*args_)[0]
         check = lambda out: rel_err(out[0], want)  # noqa: E731
         run = Runner(rows, name, flops, nbytes, tol=2e-2)
-        small = b == 1  # a few microseconds: timed as CUDA-graph replays
+        # Our rows are timed as CUDA-graph replays, as the engine runs decode; "triton eager" adds
+        # the op's host work (dispatch, checks, config, descriptors, launch). On an H100 on
+        # 2026-12-07 the op took 365 us a call timed eagerly at H=16 B=128, where the flash
+        # workload had timed its kernel config as replays at 216: the host was the bottleneck.
         ours = lambda: OURS.mla_decode(*args_)  # noqa: E731
-        run.run("triton", ours, check, **({"graph_fns": [ours]} if small else {}))
+        run.run("triton", ours, check, graph_fns=[ours])
+        run.run("triton eager", ours, check)
         if args.sweep:
             dec = kernels("decode").mla_decode_with_config
             cfgs = DECODE_SWEEP.get((h, layout, s_q, b), DECODE_SWEEP.get((h, layout, s_q), []))
-            sweep(run, lambda config: dec(*args_, config=config), check, cfgs, graphs=small)
+            sweep(run, lambda config: dec(*args_, config=config), check, cfgs, graphs=True)
         run.run("eager", lambda: REF.mla_decode(*args_), check)
         if s_q > 1:
             continue  # the peers below take one query token (the flash workload has FlashMLA / FlashInfer at s_q 2)
