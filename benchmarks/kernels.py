@@ -311,14 +311,19 @@ KEYS_SWEEP = {
           {**_KT, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "MAX_SPLITS": 4}, {"FORM": "rows"}],
 }
 
+# The fp8 layouts' keys form (decode_keys_fp8.py): on the H100 (2026-12-07) 32 keys / 4 warps /
+# 3 stages ran 273 / 307 us (fp8 / fp8_ds) beside the rows form's 270 / 330, and 64 keys 402-636
+# (they spill); sm90_build.py finds no spill at 32 keys / 8 warps, and a single copy buffer in
+# every TMA config (the copies are not pipelined), hence the gathered (cp.async) rows.
+_FP8_KEYS = ([{**_KT, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "MAX_SPLITS": 2},
+              {**_KT, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "MAX_SPLITS": 4}]
+             + [{**_KT, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "MAX_SPLITS": s} for s in (1, 2)]
+             + [{"FORM": "keys", "BLOCK_N": n, "num_warps": 8, "num_stages": st, "MAX_SPLITS": 2}
+                for n, st in ((64, 2), (32, 3))])
 DECODE_SWEEP = {  # (heads, layout, s_q[, batch]) -> config overrides (the rows-major form's
     # sweeps of 2026-11-29 and 12-04 are in the README and benchmarks/results/h200-2026-12-04/)
-    (16, "fp8", 1): [{**_KT, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "MAX_SPLITS": s} for s in (2, 4)]
-                    + [{**_KT, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "MAX_SPLITS": 4},
-                       {**_KT, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MAX_SPLITS": 2}],
-    (16, "fp8_ds", 1): [{**_KT, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "MAX_SPLITS": s} for s in (2, 4)]
-                       + [{**_KT, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "MAX_SPLITS": 4},
-                          {**_KT, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MAX_SPLITS": 2}],
+    (16, "fp8", 1): _FP8_KEYS,
+    (16, "fp8_ds", 1): _FP8_KEYS,
     # batch 1 (V2-Lite-sized decode): how many splits pay for their combine
     (16, "bf16", 1, 1): [{"FORM": "rows"}, {"FORM": "rows", "MAX_SPLITS": 8}]
                         + [{**_KT, "BLOCK_N": 64, "num_warps": w, "num_stages": 2, "MAX_SPLITS": s}
