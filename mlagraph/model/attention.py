@@ -171,6 +171,9 @@ class MLAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, L + R, bias=bias)
+        # q_proj / q_a_proj and kv_a_proj_with_mqa stacked [Nq + L + R, D], set by
+        # fuse_input_projections once the weights are final (the two read the same x).
+        self.register_buffer("fused_input_weight", None, persistent=False)
         self.kv_a_layernorm = RMSNorm(L, 1e-6)
         self.kv_b_proj = nn.Linear(L, H * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, cfg.hidden_size, bias=bias)
@@ -185,6 +188,61 @@ class MLAttention(nn.Module):
         self._cache_read = backend.op("latent_cache_read")
 
     # --- pieces --------------------------------------------------------------------------
+
+    def fuse_input_projections(self) -> bool:
+        """One GEMM instead of two for the projections of x: q_proj (q_a_proj with a q LoRA)
+        and kv_a_proj_with_mqa. Their weights become views of one stacked tensor, so memory
+        does not grow and ``state_dict()`` keeps the checkpoint's names; a decode step saves a
+        launch a layer. Only for bias-free ``nn.Linear`` layers of one dtype and device (fp8
+        layers keep their own block-scaled GEMMs); returns whether it fused. Called again after
+        the weights are replaced or moved, it stacks them anew."""
+        first = self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
+        kv_a = self.kv_a_proj_with_mqa
+        parts = (first, kv_a)
+        if not all(type(m) is nn.Linear and m.bias is None for m in parts) or (
+                first.weight.dtype, first.weight.device) != (kv_a.weight.dtype, kv_a.weight.device):
+            self.fused_input_weight = None
+            return False
+        with torch.no_grad():
+            stacked = torch.cat([first.weight, kv_a.weight])  # [Nq + L + R, D]
+        n = first.weight.shape[0]
+        first.weight = nn.Parameter(stacked[:n], requires_grad=False)
+        kv_a.weight = nn.Parameter(stacked[n:], requires_grad=False)
+        self.fused_input_weight = stacked
+        return True
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .half() convert the stacked buffer and the two weights apart, which would
+        # leave three tensors (twice the memory, and weights no longer views): stack anew.
+        super()._apply(fn, recurse)
+        if self.fused_input_weight is not None:
+            self.fuse_input_projections()
+        return self
+
+    def _project_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (q, kv_c, k_pe): q is q_proj(x) as [T, H, Dn + R], or q_a_proj(x)
+        [T, q_lora_rank] with a q LoRA; kv_c the latent half of kv_a_proj_with_mqa(x) [T, L]
+        before its norm, k_pe its RoPE half [T, 1, R].
+
+        Each piece is a slice or a view of a contiguous tensor: Inductor's view of a slice of a
+        wider row asks whether T is 1 and would recompile a one-request decode (the test
+        ``test_inductor_one_request_decode_reuses_the_graphs`` holds that). So the fused q is
+        taken with as_strided, whose strides need no such question."""
+        T, H, L, R = x.shape[0], self.num_heads, self.kv_lora_rank, self.rope_dim
+        width = self.nope_dim + R
+        if self.fused_input_weight is None:
+            first = self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
+            q, kv = first(x), self.kv_a_proj_with_mqa(x)
+            if self.cfg.q_lora_rank is None:
+                q = q.view(T, H, width)
+            return q, kv[:, :L], kv.view(T, 1, L + R)[..., L:]
+        y = F.linear(x, self.fused_input_weight)  # [T, Nq + L + R], contiguous
+        nq = y.shape[1] - L - R
+        if self.cfg.q_lora_rank is None:
+            q = y.as_strided((T, H, width), (y.shape[1], width, 1))  # y is new: its storage starts at q
+        else:
+            q = y[:, :nq]
+        return q, y[:, nq : nq + L], y.view(T, 1, nq + L + R)[..., nq + L :]
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_UK [H, Dn, L] (absorbed into q), W_UV [H, Dv, L]."""
@@ -242,15 +300,12 @@ class MLAttention(nn.Module):
         kv_cache = caches.latent[layer]
 
         q_lora = None
-        if self.cfg.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q_lora = self.q_a_layernorm(self.q_a_proj(x))
-            q = self.q_b_proj(q_lora)
-        q_nope, q_pe = q.view(T, H, self.nope_dim + R).split([self.nope_dim, R], dim=-1)
-        kv = self.kv_a_proj_with_mqa(x)  # [T, L + R]
-        kv_c = self.kv_a_layernorm(kv[:, :L])
-        k_pe = kv.view(T, 1, L + R)[..., L:]  # [T, 1, R]: the head axis added before the slice, as for q below
+        q, kv_c, k_pe = self._project_input(x)  # q [T, H, Dn + R] or [T, q_lora_rank]; [T, L]; [T, 1, R]
+        if self.cfg.q_lora_rank is not None:
+            q_lora = self.q_a_layernorm(q)
+            q = self.q_b_proj(q_lora).view(T, H, self.nope_dim + R)
+        q_nope, q_pe = q.split([self.nope_dim, R], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)
 
         method = batch.method
         w_uk, w_uv = self._w_uk_uv()

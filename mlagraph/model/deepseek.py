@@ -361,6 +361,9 @@ class DeepseekForCausalLM(nn.Module):
             if not name.endswith("mlp.gate.weight"):
                 p.data = p.data.to(dtype)
         self.dtype = dtype
+        for m in self.modules():  # the weights are final: stack the two projections of x
+            if isinstance(m, MLAttention):
+                m.fuse_input_projections()
         return self.eval().requires_grad_(False)
 
     def allocate_caches(self, num_pages: int, page_size: int, num_layers: int | None = None) -> KVCaches:

@@ -179,9 +179,9 @@ def test_golden_decode_graphs(fake_twins):
 # embed
 inputs: 2 tensors
 # attention (mla): layers 0-1
-inputs: 15 tensors
-v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph_flashmla.mla_decode(q_nope=v0.0~, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.0935652)
+inputs: 14 tensors
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_flashmla.mla_decode(q_nope=v0.0~, q_pe=v0.0~, kv_cache=in9', block_table=in11, seq_lens=in12, scale=None, layout='bf16', softmax_scale=0.0935652)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # mlp (moe): layer 1
@@ -193,9 +193,9 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (mla): layers 0-1
-inputs: 15 tensors
-v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph_flashinfer.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.0935652)
+inputs: 14 tensors
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_flashinfer.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in9', block_table=in11, seq_lens=in12, scale=None, layout='bf16', softmax_scale=0.0935652)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # mlp (moe): layer 1

@@ -59,12 +59,12 @@ class TestGoldens(expecttest.TestCase):
 # embed
 inputs: 2 tensors
 # attention (mla): layer 0
-inputs: 14 tensors
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=True)
+inputs: 13 tensors
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in7, cos_sin_cache=in8, interleaved=True)
 v1 = aten.cat([_, v0.0], -1)
-mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16')
+mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16')
 v2 = aten.cat([_, v0.1~], -1)
-v3 = mlagraph.mha_prefill(q=v1, k=v2, v=_, cu_seqlens_q=in12, cu_seqlens_k=in12, softmax_scale=0.264642, causal=True)
+v3 = mlagraph.mha_prefill(q=v1, k=v2, v=_, cu_seqlens_q=in11, cu_seqlens_k=in11, softmax_scale=0.264642, causal=True)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # head
@@ -73,10 +73,10 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (mla): layer 0
-inputs: 14 tensors
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+inputs: 13 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
 v1 = aten.cat([_, v0.1~], -1)
-v2 = mlagraph.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in12, cu_seqlens_k=in12, softmax_scale=0.264642, causal=True)
+v2 = mlagraph.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in11, cu_seqlens_k=in11, softmax_scale=0.264642, causal=True)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # head
@@ -88,13 +88,13 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (mla): layer 0
-inputs: 16 tensors
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=True)
+inputs: 15 tensors
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in7, cos_sin_cache=in8, interleaved=True)
 v1 = aten.cat([_, v0.0], -1)
-mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16')
-v2 = mlagraph.latent_cache_read(kv_cache=in10', block_table=in12, cu_seq_lens=in13, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
+mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16')
+v2 = mlagraph.latent_cache_read(kv_cache=in9', block_table=in11, cu_seq_lens=in12, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
 v3 = aten.cat([_, v2.1~], -1)
-v4 = mlagraph.mha_prefill(q=v1, k=v3, v=_, cu_seqlens_q=in14, cu_seqlens_k=in13, softmax_scale=0.264642, causal=True)
+v4 = mlagraph.mha_prefill(q=v1, k=v3, v=_, cu_seqlens_q=in13, cu_seqlens_k=in12, softmax_scale=0.264642, causal=True)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # head
@@ -103,11 +103,11 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (mla): layer 0
-inputs: 16 tensors
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.latent_cache_read(kv_cache=in10', block_table=in12, cu_seq_lens=in13, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
+inputs: 15 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.latent_cache_read(kv_cache=in9', block_table=in11, cu_seq_lens=in12, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
 v2 = aten.cat([_, v1.1~], -1)
-v3 = mlagraph.mha_prefill(q=v0.0, k=v2, v=_, cu_seqlens_q=in14, cu_seqlens_k=in13, softmax_scale=0.264642, causal=True)
+v3 = mlagraph.mha_prefill(q=v0.0, k=v2, v=_, cu_seqlens_q=in13, cu_seqlens_k=in12, softmax_scale=0.264642, causal=True)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # head
@@ -119,11 +119,11 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (mla): layer 0
-inputs: 15 tensors
-v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=True)
+inputs: 14 tensors
+v0 = mlagraph.rope(q_pe=_, k_pe=_, positions=in7, cos_sin_cache=in8, interleaved=True)
 v1 = aten.cat([_, v0.0], -1)
-mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16')
-v2 = mlagraph.mla_decode(q_nope=v1~, q_pe=v1~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.264642)
+mlagraph.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16')
+v2 = mlagraph.mla_decode(q_nope=v1~, q_pe=v1~, kv_cache=in9', block_table=in11, seq_lens=in12, scale=None, layout='bf16', softmax_scale=0.264642)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # head
@@ -132,9 +132,9 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (mla): layer 0
-inputs: 15 tensors
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.264642)
+inputs: 14 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in9', block_table=in11, seq_lens=in12, scale=None, layout='bf16', softmax_scale=0.264642)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # head
@@ -146,10 +146,10 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (mla): layers 0-1
-inputs: 14 tensors
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+inputs: 13 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
 v1 = aten.cat([_, v0.1~], -1)
-v2 = mlagraph.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in12, cu_seqlens_k=in12, softmax_scale=0.264642, causal=True)
+v2 = mlagraph.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in11, cu_seqlens_k=in11, softmax_scale=0.264642, causal=True)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # mlp (moe): layer 1
@@ -162,16 +162,16 @@ inputs: 4 tensors""")
         # regional=False: one graph holding both layers (each under its ``# layer N``)
         _, after = _graphs(_model("v3", 2), "prefill", regional=False)
         self.assertExpectedInline(after, """\
-inputs: 48 tensors
+inputs: 46 tensors
 # layer 0
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in14!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in12, cos_sin_cache=in2, kv_cache=in13!, slot_mapping=in14, scale=None, layout='bf16', interleaved=True)
 v1 = aten.cat([_, v0.1~], -1)
-v2 = mlagraph.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)
+v2 = mlagraph.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in15, cu_seqlens_k=in15, softmax_scale=0.264642, causal=True)
 # layer 1
-v3 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in13, cos_sin_cache=in2, kv_cache=in33!, slot_mapping=in15, scale=None, layout='bf16', interleaved=True)
+v3 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in12, cos_sin_cache=in2, kv_cache=in31!, slot_mapping=in14, scale=None, layout='bf16', interleaved=True)
 v4 = aten.cat([_, v3.1~], -1)
-v5 = mlagraph.mha_prefill(q=v3.0, k=v4, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)
-v6 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in38, down_proj=in39, e_score_correction_bias=in40, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, gate_up_scale=None, down_scale=None, first_expert=None, shared_gate_proj=in41, shared_up_proj=in42, shared_down_proj=in43)""")
+v5 = mlagraph.mha_prefill(q=v3.0, k=v4, v=_, cu_seqlens_q=in15, cu_seqlens_k=in15, softmax_scale=0.264642, causal=True)
+v6 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in36, down_proj=in37, e_score_correction_bias=in38, top_k=2, scoring_func='sigmoid', topk_method='noaux_tc', n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, gate_up_scale=None, down_scale=None, first_expert=None, shared_gate_proj=in39, shared_up_proj=in40, shared_down_proj=in41)""")
 
     def test_v3_two_layers_decode_after(self):
         _, after = _graphs(_model("v3", 2), "decode")
@@ -179,9 +179,9 @@ v6 = mlagraph.moe(hidden=_, router_logits=_, gate_up_proj=in38, down_proj=in39, 
 # embed
 inputs: 2 tensors
 # attention (mla): layers 0-1
-inputs: 15 tensors
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.264642)
+inputs: 14 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in9', block_table=in11, seq_lens=in12, scale=None, layout='bf16', softmax_scale=0.264642)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # mlp (moe): layer 1
@@ -196,14 +196,14 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (dsa): layers 0-1
-inputs: 21 tensors
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=False)
+inputs: 20 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in7, cos_sin_cache=in8, interleaved=False)
 v2 = aten.cat([v1.0, _], -1)
 v3 = aten.cat([v1.1~, _], -1)
-mlagraph.indexer_cache_write(k=v3, k_cache=in16!, slot_mapping=in11, layout='bf16')
-v4 = mlagraph.indexer_topk(q=v2, weights=_, k_cache=in16', req_ids=in18, positions=in8, block_table=in19, layout='bf16', topk=12)
-v5 = mlagraph.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in10', topk_indices=v4, req_ids=in18, block_table=in19, scale=None, layout='bf16', softmax_scale=0.264642)
+mlagraph.indexer_cache_write(k=v3, k_cache=in15!, slot_mapping=in10, layout='bf16')
+v4 = mlagraph.indexer_topk(q=v2, weights=_, k_cache=in15', req_ids=in17, positions=in7, block_table=in18, layout='bf16', topk=12)
+v5 = mlagraph.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in9', topk_indices=v4, req_ids=in17, block_table=in18, scale=None, layout='bf16', softmax_scale=0.264642)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # mlp (moe): layer 1
@@ -218,14 +218,14 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (dsa): layers 0-1
-inputs: 21 tensors
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=False)
+inputs: 20 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in7, cos_sin_cache=in8, interleaved=False)
 v2 = aten.cat([v1.0, _], -1)
 v3 = aten.cat([v1.1~, _], -1)
-mlagraph.indexer_cache_write(k=v3, k_cache=in16!, slot_mapping=in11, layout='bf16')
-v4 = mlagraph.indexer_topk(q=v2, weights=_, k_cache=in16', req_ids=in18, positions=in8, block_table=in19, layout='bf16', topk=12)
-v5 = mlagraph.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in10', topk_indices=v4, req_ids=in18, block_table=in19, scale=None, layout='bf16', softmax_scale=0.264642)
+mlagraph.indexer_cache_write(k=v3, k_cache=in15!, slot_mapping=in10, layout='bf16')
+v4 = mlagraph.indexer_topk(q=v2, weights=_, k_cache=in15', req_ids=in17, positions=in7, block_table=in18, layout='bf16', topk=12)
+v5 = mlagraph.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in9', topk_indices=v4, req_ids=in17, block_table=in18, scale=None, layout='bf16', softmax_scale=0.264642)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # mlp (moe): layer 1
@@ -243,13 +243,13 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (dsa): layers 0-1
-inputs: 18 tensors
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=False)
+inputs: 17 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.rope(q_pe=_, k_pe=_, positions=in7, cos_sin_cache=in8, interleaved=False)
 v2 = aten.cat([v1.1~, _], -1)
-mlagraph.indexer_cache_write(k=v2, k_cache=in15!, slot_mapping=in11, layout='bf16')
+mlagraph.indexer_cache_write(k=v2, k_cache=in14!, slot_mapping=in10, layout='bf16')
 v3 = aten.cat([_, v0.1~], -1)
-v4 = mlagraph.mha_prefill(q=v0.0, k=v3, v=_, cu_seqlens_q=in16, cu_seqlens_k=in16, softmax_scale=0.264642, causal=True)
+v4 = mlagraph.mha_prefill(q=v0.0, k=v3, v=_, cu_seqlens_q=in15, cu_seqlens_k=in15, softmax_scale=0.264642, causal=True)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # mlp (moe): layer 1
@@ -265,10 +265,10 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (mla): layer 0
-inputs: 14 tensors
-v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
+inputs: 13 tensors
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
 v1 = aten.cat([_, v0.1~], -1)
-v2 = mlagraph_triton.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in12, cu_seqlens_k=in12, softmax_scale=0.264642, causal=True)
+v2 = mlagraph_triton.mha_prefill(q=v0.0, k=v1, v=_, cu_seqlens_q=in11, cu_seqlens_k=in11, softmax_scale=0.264642, causal=True)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # head
@@ -280,11 +280,11 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (mla): layer 0
-inputs: 16 tensors
-v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph_triton.latent_cache_read(kv_cache=in10', block_table=in12, cu_seq_lens=in13, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
+inputs: 15 tensors
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_triton.latent_cache_read(kv_cache=in9', block_table=in11, cu_seq_lens=in12, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
 v2 = aten.cat([_, v1.1~], -1)
-v3 = mlagraph_triton.mha_prefill(q=v0.0, k=v2, v=_, cu_seqlens_q=in14, cu_seqlens_k=in13, softmax_scale=0.264642, causal=True)
+v3 = mlagraph_triton.mha_prefill(q=v0.0, k=v2, v=_, cu_seqlens_q=in13, cu_seqlens_k=in12, softmax_scale=0.264642, causal=True)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # head
@@ -296,9 +296,9 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (mla): layer 0
-inputs: 15 tensors
-v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph_triton.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.264642)
+inputs: 14 tensors
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_triton.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in9', block_table=in11, seq_lens=in12, scale=None, layout='bf16', softmax_scale=0.264642)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # head
@@ -310,14 +310,14 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (dsa): layer 0
-inputs: 21 tensors
-v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=False)
+inputs: 20 tensors
+v0 = mlagraph_triton.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in7, cos_sin_cache=in8, interleaved=False)
 v2 = aten.cat([v1.0, _], -1)
 v3 = aten.cat([v1.1~, _], -1)
-mlagraph_triton.indexer_cache_write(k=v3, k_cache=in16!, slot_mapping=in11, layout='bf16')
-v4 = mlagraph_triton.indexer_topk(q=v2, weights=_, k_cache=in16', req_ids=in18, positions=in8, block_table=in19, layout='bf16', topk=12)
-v5 = mlagraph_triton.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in10', topk_indices=v4, req_ids=in18, block_table=in19, scale=None, layout='bf16', softmax_scale=0.264642)
+mlagraph_triton.indexer_cache_write(k=v3, k_cache=in15!, slot_mapping=in10, layout='bf16')
+v4 = mlagraph_triton.indexer_topk(q=v2, weights=_, k_cache=in15', req_ids=in17, positions=in7, block_table=in18, layout='bf16', topk=12)
+v5 = mlagraph_triton.sparse_mla(q_nope=_, q_pe=v0.0, kv_cache=in9', topk_indices=v4, req_ids=in17, block_table=in18, scale=None, layout='bf16', softmax_scale=0.264642)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # head
@@ -334,12 +334,12 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (mla): layer 0
-inputs: 14 tensors
-v0 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in8, cos_sin_cache=in9, interleaved=True)
+inputs: 13 tensors
+v0 = mlagraph_triton.rope(q_pe=_, k_pe=_, positions=in7, cos_sin_cache=in8, interleaved=True)
 v1 = aten.cat([_, v0.0], -1)
-mlagraph_triton.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16')
+mlagraph_triton.latent_cache_write(kv_c=_, k_pe=v0.1~, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16')
 v2 = aten.cat([_, v0.1~], -1)
-v3 = mlagraph_triton.mha_prefill(q=v1, k=v2, v=_, cu_seqlens_q=in12, cu_seqlens_k=in12, softmax_scale=0.264642, causal=True)
+v3 = mlagraph_triton.mha_prefill(q=v1, k=v2, v=_, cu_seqlens_q=in11, cu_seqlens_k=in11, softmax_scale=0.264642, causal=True)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # head
@@ -351,11 +351,11 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (mla): layer 0
-inputs: 16 tensors
-v0 = mlagraph_aiter.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph_triton.latent_cache_read(kv_cache=in10', block_table=in12, cu_seq_lens=in13, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
+inputs: 15 tensors
+v0 = mlagraph_aiter.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_triton.latent_cache_read(kv_cache=in9', block_table=in11, cu_seq_lens=in12, scale=None, layout='bf16', rope_dim=8, out_dtype=float32, num_tokens=_)
 v2 = aten.cat([_, v1.1~], -1)
-v3 = mlagraph_triton.mha_prefill(q=v0.0, k=v2, v=_, cu_seqlens_q=in14, cu_seqlens_k=in13, softmax_scale=0.264642, causal=True)
+v3 = mlagraph_triton.mha_prefill(q=v0.0, k=v2, v=_, cu_seqlens_q=in13, cu_seqlens_k=in12, softmax_scale=0.264642, causal=True)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # head
@@ -367,9 +367,9 @@ inputs: 4 tensors""")
 # embed
 inputs: 2 tensors
 # attention (mla): layer 0
-inputs: 15 tensors
-v0 = mlagraph_aiter.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph_aiter.mla_decode(q_nope=v0.0~, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.264642)
+inputs: 14 tensors
+v0 = mlagraph_aiter.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph_aiter.mla_decode(q_nope=v0.0~, q_pe=v0.0~, kv_cache=in9', block_table=in11, seq_lens=in12, scale=None, layout='bf16', softmax_scale=0.264642)
 # mlp (dense): layer 0
 inputs: 5 tensors
 # head

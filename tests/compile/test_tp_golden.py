@@ -51,9 +51,9 @@ class TestTensorParallelGolden(expecttest.TestCase):
 inputs: 2 tensors
 v0 = _c10d_functional.all_reduce(input=_, reduce_op='sum', group_name='0')
 # attention (mla): layer 0
-inputs: 15 tensors
-v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in8, cos_sin_cache=in9, kv_cache=in10!, slot_mapping=in11, scale=None, layout='bf16', interleaved=True)
-v1 = mlagraph.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in10', block_table=in12, seq_lens=in13, scale=None, layout='bf16', softmax_scale=0.264642)
+inputs: 14 tensors
+v0 = mlagraph.fused_rope_concat_cache_write(q_nope=_, q_pe=_, kv_c=_, k_pe=_, positions=in7, cos_sin_cache=in8, kv_cache=in9!, slot_mapping=in10, scale=None, layout='bf16', interleaved=True)
+v1 = mlagraph.mla_decode(q_nope=_, q_pe=v0.0~, kv_cache=in9', block_table=in11, seq_lens=in12, scale=None, layout='bf16', softmax_scale=0.264642)
 v2 = _c10d_functional.all_reduce(input=_, reduce_op='sum', group_name='0')
 # mlp (dense): layer 0
 inputs: 5 tensors
