@@ -147,6 +147,13 @@ class Indexer(nn.Module):
         return self._topk(q, w, k_cache, batch.req_ids, batch.positions, batch.block_table, layout, self.topk)
 
 
+def _adjacent_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether b's rows follow a's in one storage, both row-major with the same width."""
+    return (a.dim() == b.dim() == 2 and a.shape[1] == b.shape[1] and a.is_contiguous() and b.is_contiguous()
+            and a.dtype == b.dtype and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size())
+
+
 class MLAttention(nn.Module):
     """DeepSeek MLA. Weight names follow the Hugging Face checkpoints (self_attn.*).
 
@@ -203,9 +210,15 @@ class MLAttention(nn.Module):
                 first.weight.dtype, first.weight.device) != (kv_a.weight.dtype, kv_a.weight.device):
             self.fused_input_weight = None
             return False
-        with torch.no_grad():
-            stacked = torch.cat([first.weight, kv_a.weight])  # [Nq + L + R, D]
         n = first.weight.shape[0]
+        if _adjacent_rows(first.weight, kv_a.weight):
+            # already one tensor's rows (fused before, or another model's fused weights taken
+            # with load_state_dict(assign=True)): view them whole, so shared weights stay shared
+            stacked = first.weight.detach().as_strided((n + kv_a.weight.shape[0], first.weight.shape[1]),
+                                                       first.weight.stride())
+        else:
+            with torch.no_grad():
+                stacked = torch.cat([first.weight, kv_a.weight])  # [Nq + L + R, D]
         first.weight = nn.Parameter(stacked[:n], requires_grad=False)
         kv_a.weight = nn.Parameter(stacked[n:], requires_grad=False)
         self.fused_input_weight = stacked

@@ -73,6 +73,20 @@ def test_weights_are_views_of_the_stacked_tensor_and_keep_their_names():
     names = set(model.state_dict())
     assert not any("fused_input_weight" in n for n in names)
     assert "model.layers.0.self_attn.q_a_proj.weight" in names
+    assert attn.fuse_input_projections()  # fused again: a view of the same rows, no copy
+    assert attn.fused_input_weight.data_ptr() == stacked.data_ptr() == first.weight.data_ptr()
+
+
+def test_a_model_built_on_fused_weights_shares_them():
+    """Benchmarks build a second model on the first one's tensors (load_state_dict(assign=True))
+    to hold a deep stack once; fusing must not copy them apart."""
+    base = _model("v2")
+    other = _model("v2")
+    other.load_state_dict(base.state_dict(), assign=True)
+    other.to_device_dtype("cpu", torch.float32)
+    for (name, a), b in zip(base.state_dict().items(), other.state_dict().values()):
+        assert a.data_ptr() == b.data_ptr(), name
+    assert _attentions(other)[0].fused_input_weight.data_ptr() == _attentions(base)[0].fused_input_weight.data_ptr()
 
 
 def test_to_restacks_instead_of_copying_twice():
