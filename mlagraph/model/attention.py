@@ -196,6 +196,11 @@ class MLAttention(nn.Module):
 
     # --- pieces --------------------------------------------------------------------------
 
+    @property
+    def q_input_proj(self) -> nn.Module:
+        """The projection of x on q's side: q_proj, or q_a_proj with a q LoRA."""
+        return self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
+
     def fuse_input_projections(self) -> bool:
         """One GEMM instead of two for the projections of x: q_proj (q_a_proj with a q LoRA)
         and kv_a_proj_with_mqa. Their weights become views of one stacked tensor, so memory
@@ -203,10 +208,8 @@ class MLAttention(nn.Module):
         launch a layer. Only for bias-free ``nn.Linear`` layers of one dtype and device (fp8
         layers keep their own block-scaled GEMMs); returns whether it fused. Called again after
         the weights are replaced or moved, it stacks them anew."""
-        first = self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
-        kv_a = self.kv_a_proj_with_mqa
-        parts = (first, kv_a)
-        if not all(type(m) is nn.Linear and m.bias is None for m in parts) or (
+        first, kv_a = self.q_input_proj, self.kv_a_proj_with_mqa
+        if not all(type(m) is nn.Linear and m.bias is None for m in (first, kv_a)) or (
                 first.weight.dtype, first.weight.device) != (kv_a.weight.dtype, kv_a.weight.device):
             self.fused_input_weight = None
             return False
@@ -244,8 +247,7 @@ class MLAttention(nn.Module):
         T, H, L, R = x.shape[0], self.num_heads, self.kv_lora_rank, self.rope_dim
         width = self.nope_dim + R
         if self.fused_input_weight is None:
-            first = self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
-            q, kv = first(x), self.kv_a_proj_with_mqa(x)
+            q, kv = self.q_input_proj(x), self.kv_a_proj_with_mqa(x)
             if self.cfg.q_lora_rank is None:
                 q = q.view(T, H, width)
             return q, kv[:, :L], kv.view(T, 1, L + R)[..., L:]

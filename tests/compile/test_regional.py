@@ -265,8 +265,9 @@ def test_inductor_one_request_decode_reuses_the_graphs(kind, backend, regional):
     prove contiguous asks whether the token (or request) count is 1, which dynamo's
     size-oblivious tracing does not cover. So the model takes its views of contiguous tensors
     (k_pe's head axis, q's [B, s_q] split, V4's hyper-connection mixes) or none (V4's pair
-    swap is a gather; the fused input projection's pieces are slices or as_strided), eliminate_concat splits the absorbed q on the bmm's own output, and the
-    decode ops' fake outputs have their contiguous strides written out (ops/_define.dense_empty)."""
+    swap is a gather; the fused input projection's pieces are slices or as_strided),
+    eliminate_concat splits the absorbed q on the bmm's own output, and the decode ops' fake
+    outputs have their contiguous strides written out (ops/_define.dense_empty)."""
     model = _model(kind, 2, backend)
     step = mlagraph.compile(model, fullgraph=True, dynamic=True, regional=regional)
     caches = model.allocate_caches(48, PAGE)

@@ -39,10 +39,6 @@ def _unfused_twin(model: DeepseekForCausalLM, kind: str, **dims) -> DeepseekForC
     return twin
 
 
-def _first(attn: MLAttention) -> torch.nn.Linear:
-    return attn.q_proj if attn.cfg.q_lora_rank is None else attn.q_a_proj
-
-
 @torch.no_grad()
 def _logits(model) -> torch.Tensor:
     """A prefill of two prompts (all positions' logits), then one decode token each: [9, V]."""
@@ -66,7 +62,7 @@ def test_fused_model_equals_unfused(kind):
 def test_weights_are_views_of_the_stacked_tensor_and_keep_their_names():
     model = _model("v3")
     attn = _attentions(model)[0]
-    stacked, first, kv_a = attn.fused_input_weight, _first(attn), attn.kv_a_proj_with_mqa
+    stacked, first, kv_a = attn.fused_input_weight, attn.q_input_proj, attn.kv_a_proj_with_mqa
     assert stacked.shape == (first.out_features + kv_a.out_features, first.in_features)
     assert first.weight.data_ptr() == stacked.data_ptr()
     assert kv_a.weight.data_ptr() == stacked[first.out_features :].data_ptr()
@@ -92,12 +88,12 @@ def test_a_model_built_on_fused_weights_shares_them():
 def test_to_restacks_instead_of_copying_twice():
     model = _model("v2")
     attn = _attentions(model)[0]
-    before = torch.cat([_first(attn).weight, attn.kv_a_proj_with_mqa.weight]).double()
+    before = torch.cat([attn.q_input_proj.weight, attn.kv_a_proj_with_mqa.weight]).double()
     model.to(torch.float64)
     stacked = attn.fused_input_weight
     assert stacked.dtype == torch.float64
-    assert _first(attn).weight.data_ptr() == stacked.data_ptr()
-    assert attn.kv_a_proj_with_mqa.weight.data_ptr() == stacked[_first(attn).out_features :].data_ptr()
+    assert attn.q_input_proj.weight.data_ptr() == stacked.data_ptr()
+    assert attn.kv_a_proj_with_mqa.weight.data_ptr() == stacked[attn.q_input_proj.out_features :].data_ptr()
     torch.testing.assert_close(stacked, before, rtol=0, atol=0)
 
 
