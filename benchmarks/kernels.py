@@ -548,6 +548,7 @@ def bench_indexer(rows, args, g):
 
     run = Runner(rows, name, flops, nbytes, tol=1e-2)
     run.run("triton", lambda: OURS.indexer_topk(*args_), check)
+    _indexer_stages(rows, name, args_, ref_scores, sub, check)
     small = (q[:16], w[:16], k_cache, req[:16], positions[:16], table, "fp8", topk)
     run.run("eager", lambda: REF.indexer_topk(*small), check,
             note="timed on 16 of 128 requests (memory); time scaled x8")
@@ -557,6 +558,42 @@ def bench_indexer(rows, args, g):
     # program (and its real DSA top-k is a HIP kernel), so it is left out here.
     run.peer("aiter", lambda: aiter_peers.indexer_runner(*args_, aiter_topk=False), check,
              note="aiter logits + torch.topk")
+
+
+def _indexer_stages(rows, name, args_, ref_scores, sub, check):
+    """Where the op's time goes: its two launches timed apart on the same inputs. The scores
+    stage (floor: the key bytes) against the reference scores of the checked rows; the Triton
+    selection and torch.topk each over those scores (-inf filled past the last visible key, as
+    the op fills them for torch.topk), checked as the whole op is."""
+    from mlagraph.ops.triton import indexer as tix
+
+    q, w, k_cache, req, positions, table, layout, topk = args_
+    cfg = tix.IndexerConfig()
+    max_len = table.shape[1] * k_cache.shape[1]
+    width = max(max_len, topk)
+    sms = tix.hardware(q.device).num_sms
+    b, ctx = q.shape[0], ref_scores.shape[1]
+
+    def scores():
+        return tix._scores(q, w, k_cache, req, positions, table, layout, width, cfg, sms, fill=True)
+
+    key_bytes = b * ctx * k_cache.shape[-1]
+    Runner(rows, name, 2 * q.shape[1] * q.shape[2] * b * ctx, key_bytes, tol=1e-3).run(
+        "triton stage 1: scores", scores, lambda s: rel_err(s[sub, :ctx], ref_scores))
+    s = scores()
+    out = torch.empty((b, topk), dtype=torch.int32, device=q.device)
+
+    def select():
+        tix._select_triton(s, positions, max_len, topk, out, cfg)
+        return out
+
+    def select_torch():
+        tix._select_torch(s, topk, out)
+        return out
+
+    sel = Runner(rows, name, 0.0, s.numel() * 4, tol=1e-2)
+    sel.run("triton stage 2: select", select, check)
+    sel.run("torch.topk on the same scores", select_torch, check)
 
 
 def _indexer_scores(q, w, k_cache, table, ctx):
