@@ -549,6 +549,12 @@ def bench_indexer(rows, args, g):
     run = Runner(rows, name, flops, nbytes, tol=1e-2)
     run.run("triton", lambda: OURS.indexer_topk(*args_), check)
     _indexer_stages(rows, name, args_, ref_scores, sub, check)
+    tix = kernels("indexer")
+    # where the scores stage could go faster: fp16 dots (e4m3 -> fp16 is one conversion), wider
+    # key blocks, more warps, shallower pipelines, twice or half the splits (default 17 here)
+    sweep(run, lambda config: tix.indexer_topk(*args_, config=tix.IndexerConfig(**config)), check,
+          [{"fp16_dots": True}, {"block_n": 128, "num_warps": 8}, {"fp16_dots": True, "block_n": 128, "num_warps": 8},
+           {"num_warps": 8}, {"num_stages": 3}, {"splits": 34}, {"splits": 8}])
     small = (q[:16], w[:16], k_cache, req[:16], positions[:16], table, "fp8", topk)
     run.run("eager", lambda: REF.indexer_topk(*small), check,
             note="timed on 16 of 128 requests (memory); time scaled x8")

@@ -79,6 +79,8 @@ class IndexerConfig:
     min_blocks: int = 4  # fewest key blocks a split takes (fewer splits run for short contexts)
     num_warps: int | None = None
     num_stages: int | None = None
+    fp16_dots: bool = False  # fp8 keys: e4m3 -> fp16 (one hardware conversion a pair) and q
+    # in fp16, instead of e4m3 -> float32 -> q's bf16; opt-in: a |q| past fp16's 65504 overflows
     topk_impl: str = "triton"  # "triton" (_select_kernel) or "torch" (torch.topk)
     max_sort: int = 4096  # a larger topk than this (next power of two) uses torch.topk
     max_tile: int = 32768  # longest row the selection keeps in registers (16 warps)
@@ -196,7 +198,7 @@ def _logits_kernel(
     T, H, D, page_size, S, W, n_blocks, n_splits,
     sq_t, sq_h, sq_d, sw_t, sw_h, s_req, s_pos, sbt_b, sbt_p, sk_slot, sk_d, so_t,
     FP8: tl.constexpr, DOT_F32: tl.constexpr, INTERPRETED: tl.constexpr, ALIGN: tl.constexpr,
-    SCALE_F32: tl.constexpr,
+    SCALE_F32: tl.constexpr, FP16_DOTS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, FILL: tl.constexpr, MIN_BLOCKS: tl.constexpr,
 ):
@@ -226,6 +228,8 @@ def _logits_kernel(
         wt = tl.load(w_ptr + ct64 * sw_t + col_h * sw_h, mask=col_on, other=0.0)
         if DOT_F32:
             qt = qt.to(tl.float32)
+        elif FP16_DOTS:
+            qt = qt.to(tl.float16)
         # The key blocks up to the round's last visible key, shared evenly by the splits (at
         # least MIN_BLOCKS each): the work follows the context, not the block table's width.
         n_vis = tl.minimum(tl.max(tl.where(active, pos, -1)) // BLOCK_N + 1, n_blocks)
@@ -239,7 +243,10 @@ def _logits_kernel(
             kt = tl.load(k_ptr + row[:, None] + d[None, :] * sk_d, mask=valid[:, None] & (d < D)[None, :], other=0)
             if FP8:
                 scale = _row_scale(k_ptr + row + D * sk_d, valid, sk_d, SCALE_F32)
-                kt = from_fp8_bits(kt)
+                if FP16_DOTS:  # exact: every e4m3 value is an fp16 value
+                    kt = kt.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+                else:
+                    kt = from_fp8_bits(kt)
             acc = _dot(kt.to(qt.dtype), qt, DOT_F32, INTERPRETED)
             acc = tl.maximum(acc, 0.0) * wt[None, :]
             sc = tl.sum(tl.reshape(acc, (BLOCK_N, BLOCK_T, BLOCK_H)), axis=2)  # [BLOCK_N, BLOCK_T]
@@ -303,7 +310,7 @@ def _scores(q, weights, k_cache, req_ids, positions, block_table, layout, width,
         req_ids.stride(0), positions.stride(0), block_table.stride(0), block_table.stride(1),
         row_stride, cache.stride(2), out.stride(0),
         FP8=fp8, DOT_F32=dot_f32, INTERPRETED=interpreted(_logits_kernel), ALIGN=align,
-        SCALE_F32=scale_f32, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+        SCALE_F32=scale_f32, FP16_DOTS=fp8 and cfg.fp16_dots and not dot_f32, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_STAGES=num_stages, FILL=fill, MIN_BLOCKS=min_blocks,
         num_warps=num_warps,
     )

@@ -250,12 +250,15 @@ CONFIGS = [
     dict(block_t=4, block_n=16, splits=3, min_blocks=1),  # groups spanning requests, 3 splits
     dict(block_t=2, block_n=16, splits=2, min_blocks=1, topk_impl="torch"),  # -inf fill, split
     dict(block_t=1, block_n=16, max_tile=16, select_chunk=16),  # streamed selection
+    dict(block_t=1, block_n=16, fp16_dots=True),  # fp8 keys widened to fp16, q in fp16
 ]
 GPU_CONFIGS = [
     dict(block_t=4, block_n=64, splits=7, min_blocks=1),
     dict(block_t=2, block_n=128, num_warps=8, topk_impl="torch"),
     dict(block_t=1, block_n=64, num_stages=3, max_tile=4096, select_chunk=2048),
     dict(block_t=1, block_n=128, num_warps=8, num_stages=5, splits=1),
+    dict(block_t=1, block_n=64, fp16_dots=True),
+    dict(block_t=4, block_n=64, fp16_dots=True),
 ]
 
 
