@@ -59,7 +59,7 @@ def build(args):
     types = {"q_nope": "*bf16", "q_pe": "*bf16", "cache": cache, "block_table": "*i32", "seq_lens": "*i32",
              "fp8_scale": "*fp32", "out": "*fp32", "lse": "*fp32", "qk_scale": "fp32"}
     consts = dict(S_Q=args.s_q, H=args.heads, L=512, R=64, PAGE=64, BL=512, BR=64, LAYOUT=layout,
-                  BLOCK_H=max(16, triton.next_power_of_2(args.s_q * args.heads)), BLOCK_N=args.block_n,
+                  BLOCK_H=args.block_h or min(64, max(16, triton.next_power_of_2(args.s_q * args.heads))), BLOCK_N=args.block_n,
                   MAX_SPLITS=args.splits, DIRECT=args.splits == 1, F32=False, FP16=layout != 0)
     if args.form == "rows":
         fn = decode._split_kernel
@@ -110,6 +110,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--s-q", type=int, default=1)
     p.add_argument("--block-n", type=int, default=32)
+    p.add_argument("--block-h", type=int, default=None, help="query rows a program (default: as the op, <= 64)")
     p.add_argument("--block-m", type=int, default=16, help="grouped: rows a tile")
     p.add_argument("--block-k", type=int, default=128, help="grouped: K columns a step")
     p.add_argument("--warps", type=int, default=4)
