@@ -50,6 +50,12 @@ selection, whose later passes hit registers or L1): 6% of an fp8 key's 132 B. Co
 2 * Hi * D FLOPs per (token, key), 124 FLOP per fp8 key byte at Hi = 64, D = 128, close to the
 H200's bf16 ridge (~160): decode at 32K is near both limits; prefill is compute-bound.
 
+Stage 1's loads: by default Triton's pipeliner prefetches the key blocks; ``prefetch=True``
+instead loads block j + 1 into registers before block j is scored (an H100 run of 2026-12-07
+had the default's scores stage at 523 of the op's 597 us, 1.06 TB/s; built for sm_90 offline,
+the pipeliner gives these register-consumed fp8 loads two copy buffers at 5 stages and one at
+3, so a program has at most about one block in flight).
+
 Config: every heuristic choice is in :class:`IndexerConfig`; ``indexer_topk(..., config=...)``
 and ``indexer_cache_write(..., config=...)`` take an override for benchmark sweeps.
 """
@@ -81,6 +87,8 @@ class IndexerConfig:
     num_stages: int | None = None
     fp16_dots: bool = False  # fp8 keys: e4m3 -> fp16 (one hardware conversion a pair) and q
     # in fp16, instead of e4m3 -> float32 -> q's bf16; opt-in: a |q| past fp16's 65504 overflows
+    prefetch: bool = False  # scores: load the next key block into registers before scoring
+    # this one (a fixed prefetch distance of one block) instead of Triton's pipeliner
     topk_impl: str = "triton"  # "triton" (_select_kernel) or "torch" (torch.topk)
     max_sort: int = 4096  # a larger topk than this (next power of two) uses torch.topk
     max_tile: int = 32768  # longest row the selection keeps in registers (16 warps)
@@ -193,6 +201,43 @@ def _row_scale(p, valid, sk_d, F32_LOAD: tl.constexpr):
 
 
 @triton.jit
+def _key_block(k_ptr, bt_ptr, r, j, j_end, n, d, D, S, page_size, sbt_b, sbt_p, sk_slot, sk_d,
+               FP8: tl.constexpr, ALIGN: tl.constexpr, SCALE_F32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key block j of request r, raw: (keys [BLOCK_N, BLOCK_D] as stored, fp8 row scales or a
+    dummy, valid [BLOCK_N], positions s [BLOCK_N]). Nothing is read for j >= j_end."""
+    s = j * BLOCK_N + n
+    page = tl.load(bt_ptr + r * sbt_b + (s // page_size) * sbt_p, mask=(s < S) & (s < j_end * BLOCK_N), other=-1)
+    valid = page >= 0
+    row = tl.multiple_of((page.to(tl.int64) * page_size + s % page_size) * sk_slot, ALIGN)
+    kt = tl.load(k_ptr + row[:, None] + d[None, :] * sk_d, mask=valid[:, None] & (d < D)[None, :], other=0)
+    if FP8:
+        scale = _row_scale(k_ptr + row + D * sk_d, valid, sk_d, SCALE_F32)
+    else:
+        scale = tl.zeros([BLOCK_N], tl.float32)
+    return kt, scale, valid, s
+
+
+@triton.jit
+def _score_block(kt, scale, valid, s, qt, wt, pos, active, out_ptr, t64, so_t, W,
+                 FP8: tl.constexpr, FP16_DOTS: tl.constexpr, DOT_F32: tl.constexpr, INTERPRETED: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Scores of one key block for the round's tokens, stored: relu(k . q) weighted and summed
+    over heads, times the fp8 row scale; -inf where the key is not visible to the token."""
+    if FP8:
+        if FP16_DOTS:  # exact: every e4m3 value is an fp16 value
+            kt = kt.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        else:
+            kt = from_fp8_bits(kt)
+    acc = _dot(kt.to(qt.dtype), qt, DOT_F32, INTERPRETED)
+    acc = tl.maximum(acc, 0.0) * wt[None, :]
+    sc = tl.sum(tl.reshape(acc, (BLOCK_N, BLOCK_T, BLOCK_H)), axis=2)  # [BLOCK_N, BLOCK_T]
+    if FP8:  # relu(scale * x) == scale * relu(x): the writer's scales are >= 1e-10
+        sc = sc * scale[:, None]
+    sc = tl.where(valid[:, None] & (s[:, None] <= pos[None, :]), sc, float("-inf"))
+    tl.store(out_ptr + t64[None, :] * so_t + s[:, None], sc, mask=active[None, :] & (s < W)[:, None])
+
+
+@triton.jit
 def _logits_kernel(
     q_ptr, w_ptr, k_ptr, req_ptr, pos_ptr, bt_ptr, out_ptr,
     T, H, D, page_size, S, W, n_blocks, n_splits,
@@ -200,7 +245,7 @@ def _logits_kernel(
     FP8: tl.constexpr, DOT_F32: tl.constexpr, INTERPRETED: tl.constexpr, ALIGN: tl.constexpr,
     SCALE_F32: tl.constexpr, FP16_DOTS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, FILL: tl.constexpr, MIN_BLOCKS: tl.constexpr,
+    NUM_STAGES: tl.constexpr, FILL: tl.constexpr, MIN_BLOCKS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
@@ -235,25 +280,26 @@ def _logits_kernel(
         n_vis = tl.minimum(tl.max(tl.where(active, pos, -1)) // BLOCK_N + 1, n_blocks)
         per_split = tl.maximum(tl.cdiv(n_vis, n_splits), MIN_BLOCKS)
         j_begin = split * per_split
-        for j in tl.range(j_begin, tl.minimum(j_begin + per_split, n_vis), num_stages=NUM_STAGES):
-            s = j * BLOCK_N + n
-            page = tl.load(bt_ptr + r * sbt_b + (s // page_size) * sbt_p, mask=s < S, other=-1)
-            valid = page >= 0
-            row = tl.multiple_of((page.to(tl.int64) * page_size + s % page_size) * sk_slot, ALIGN)
-            kt = tl.load(k_ptr + row[:, None] + d[None, :] * sk_d, mask=valid[:, None] & (d < D)[None, :], other=0)
-            if FP8:
-                scale = _row_scale(k_ptr + row + D * sk_d, valid, sk_d, SCALE_F32)
-                if FP16_DOTS:  # exact: every e4m3 value is an fp16 value
-                    kt = kt.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-                else:
-                    kt = from_fp8_bits(kt)
-            acc = _dot(kt.to(qt.dtype), qt, DOT_F32, INTERPRETED)
-            acc = tl.maximum(acc, 0.0) * wt[None, :]
-            sc = tl.sum(tl.reshape(acc, (BLOCK_N, BLOCK_T, BLOCK_H)), axis=2)  # [BLOCK_N, BLOCK_T]
-            if FP8:  # relu(scale * x) == scale * relu(x): the writer's scales are >= 1e-10
-                sc = sc * scale[:, None]
-            sc = tl.where(valid[:, None] & (s[:, None] <= pos[None, :]), sc, float("-inf"))
-            tl.store(out_ptr + t64[None, :] * so_t + s[:, None], sc, mask=active[None, :] & (s < W)[:, None])
+        j_end = tl.minimum(j_begin + per_split, n_vis)
+        if PREFETCH:
+            # Block j + 1's bytes are loaded into registers before block j is scored, so a
+            # program always has one block in flight whatever the pipeliner does (it gives
+            # these register-consumed loads a single copy buffer).
+            kt, scale, valid, s = _key_block(k_ptr, bt_ptr, r, j_begin, j_end, n, d, D, S, page_size, sbt_b, sbt_p,
+                                             sk_slot, sk_d, FP8, ALIGN, SCALE_F32, BLOCK_N)
+            for j in tl.range(j_begin, j_end, num_stages=1):  # no pipeliner: the prefetch is explicit
+                kt_next, scale_next, valid_next, s_next = _key_block(
+                    k_ptr, bt_ptr, r, j + 1, j_end, n, d, D, S, page_size, sbt_b, sbt_p, sk_slot, sk_d, FP8, ALIGN,
+                    SCALE_F32, BLOCK_N)
+                _score_block(kt, scale, valid, s, qt, wt, pos, active, out_ptr, t64, so_t, W, FP8, FP16_DOTS,
+                             DOT_F32, INTERPRETED, BLOCK_N, BLOCK_T, BLOCK_H)
+                kt, scale, valid, s = kt_next, scale_next, valid_next, s_next
+        else:
+            for j in tl.range(j_begin, j_end, num_stages=NUM_STAGES):
+                kt, scale, valid, s = _key_block(k_ptr, bt_ptr, r, j, j_end, n, d, D, S, page_size, sbt_b, sbt_p,
+                                                 sk_slot, sk_d, FP8, ALIGN, SCALE_F32, BLOCK_N)
+                _score_block(kt, scale, valid, s, qt, wt, pos, active, out_ptr, t64, so_t, W, FP8, FP16_DOTS,
+                             DOT_F32, INTERPRETED, BLOCK_N, BLOCK_T, BLOCK_H)
         if FILL:  # the blocks past every visible key, split the same way: -inf only
             per_split = tl.cdiv(n_blocks - n_vis, n_splits)
             j_begin = n_vis + split * per_split
@@ -311,7 +357,7 @@ def _scores(q, weights, k_cache, req_ids, positions, block_table, layout, width,
         row_stride, cache.stride(2), out.stride(0),
         FP8=fp8, DOT_F32=dot_f32, INTERPRETED=interpreted(_logits_kernel), ALIGN=align,
         SCALE_F32=scale_f32, FP16_DOTS=fp8 and cfg.fp16_dots and not dot_f32, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
-        BLOCK_N=block_n, NUM_STAGES=num_stages, FILL=fill, MIN_BLOCKS=min_blocks,
+        BLOCK_N=block_n, NUM_STAGES=num_stages, FILL=fill, MIN_BLOCKS=min_blocks, PREFETCH=cfg.prefetch,
         num_warps=num_warps,
     )
     return out

@@ -251,6 +251,7 @@ CONFIGS = [
     dict(block_t=2, block_n=16, splits=2, min_blocks=1, topk_impl="torch"),  # -inf fill, split
     dict(block_t=1, block_n=16, max_tile=16, select_chunk=16),  # streamed selection
     dict(block_t=1, block_n=16, fp16_dots=True),  # fp8 keys widened to fp16, q in fp16
+    dict(block_t=2, block_n=16, splits=2, min_blocks=1, prefetch=True),  # next block in registers
 ]
 GPU_CONFIGS = [
     dict(block_t=4, block_n=64, splits=7, min_blocks=1),
@@ -259,6 +260,8 @@ GPU_CONFIGS = [
     dict(block_t=1, block_n=128, num_warps=8, num_stages=5, splits=1),
     dict(block_t=1, block_n=64, fp16_dots=True),
     dict(block_t=4, block_n=64, fp16_dots=True),
+    dict(block_t=1, block_n=64, prefetch=True),
+    dict(block_t=4, block_n=128, num_warps=8, prefetch=True, splits=3),
 ]
 
 
