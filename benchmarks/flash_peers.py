@@ -149,6 +149,13 @@ def bench_flash(rows, args, g):
         run = Runner(rows, name, 2 * h * 1088 * b * ctx, 1152 * b * ctx, tol=2e-2)
         triton_op = lambda args_=args_: torch.ops.mlagraph_triton.mla_decode(*args_)  # noqa: E731
         run.run("triton", triton_op, check, graph_fns=[triton_op])
+        if h >= 24:
+            # The keys-major form in row blocks of 16 or 32 (each block re-reads the keys, mostly
+            # from L2) against the default: the rows form past 32 rows, whose 64-row block
+            # computes the scores in both warp groups, or one 32-row keys block at 24-32 rows.
+            keys = {"FORM": "keys", "TMA": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+            sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
+                  [{**keys, "BLOCK_H": bh, "MAX_SPLITS": sp} for bh in (16, 32) for sp in (1, 2)], graphs=True)
         run.peer("flashmla raw", lambda: _raw_flashmla_decode(q_nope, q_pe, cache, table, lens, "bf16"), check)
         run.peer("flashinfer raw", lambda: _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens), check)
         del cache, table, lens, q, want
