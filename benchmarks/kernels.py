@@ -849,7 +849,8 @@ def bench_moe_bw(rows, args, g):
     access pattern's cost, without the GEMM); ``copy_`` (read + write); cuBLAS's batched GEMM at
     4 and 16 rows an expert; our grouped GEMM (gate_up only) at T = 32, top-6 over all 64
     experts and over 16 of them (the same rows and tiles, a quarter of the pages), at the
-    default tile, at tiles whose rows run 1-2 KB along K and with 4-5 stages or 8 warps. Each checked first (the reads
+    default tile, at tiles whose rows run 1-2 KB along K, with 4-5 stages or 8 warps, and as
+    persistent programs (1-2 an SM, item and K loops flattened: no empty pipeline per tile). Each checked first (the reads
     against torch's float32 sum, the GEMMs against a float32 product)."""
     from mlagraph.ops.triton.grouped_fp8 import config_for, run_tiles
     from mlagraph.ops.triton.moe_sort import sort_pairs
@@ -898,7 +899,8 @@ def bench_moe_bw(rows, args, g):
         # reach its rate (the H200's copy rate is 1.4x the H100's, with the same SM count)
         for cfg in ({}, {"BLOCK_N": 128, "BLOCK_K": 128}, {"BLOCK_N": 32, "BLOCK_K": 512},
                     {"BLOCK_N": 16, "BLOCK_K": 1024, "num_stages": 3}, {"num_stages": 4}, {"num_stages": 5},
-                    {"num_warps": 8, "num_stages": 4}):
+                    {"num_warps": 8, "num_stages": 4}, {"PERSISTENT": 2}, {"PERSISTENT": 1, "num_stages": 4},
+                    {"PERSISTENT": 1, "num_stages": 5}, {"PERSISTENT": 2, "BLOCK_N": 128, "BLOCK_K": 128}):
             c = config_for(t * top_k, experts, n, x.device, cfg, half_experts=True)
             sort = sort_pairs(ids, experts, c["BLOCK_M"])
             fn = lambda c=c, sort=sort: run_tiles(  # noqa: E731

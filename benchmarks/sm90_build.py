@@ -41,11 +41,13 @@ def build_grouped(args):
     path launches it at decode sizes: rows gathered by token (GATHER_K = top-k 6), bf16 out."""
     from mlagraph.ops.triton import grouped_fp8
 
-    fn = grouped_fp8._grouped_fp8_kernel
+    fn = grouped_fp8._grouped_persistent_kernel if args.persistent else grouped_fp8._grouped_fp8_kernel
     types = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*bf16", "s_ptr": "*fp32", "out_ptr": "*bf16",
              "tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_row_end_ptr": "*i32", "order_ptr": "*i32"}
     consts = dict(NUM_EXPERTS=64, BLOCK_M=args.block_m, BLOCK_N=args.block_n, BLOCK_K=args.block_k, A_FP8=False,
                   PRECISION="tf32", UPCAST=False, W_FP8=False, GATHER_K=6)
+    if args.persistent:  # programs an SM x 132 SMs; the schedule of V2-Lite at T=32 (76 M tiles)
+        consts.update(NUM_PROGRAMS=args.persistent * 132, COUNT_CHUNK=128)
     return _compile(fn, types, consts, ["N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om"], args)
 
 
@@ -113,6 +115,7 @@ def main() -> None:
     p.add_argument("--block-h", type=int, default=None, help="query rows a program (default: as the op, <= 64)")
     p.add_argument("--block-m", type=int, default=16, help="grouped: rows a tile")
     p.add_argument("--block-k", type=int, default=128, help="grouped: K columns a step")
+    p.add_argument("--persistent", type=int, default=0, help="grouped: the persistent kernel, programs an SM")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--splits", type=int, default=2)

@@ -40,6 +40,34 @@ BLOCK_K = 128  # one fp8 scale block along K (float experts may take other K ste
 
 
 @triton.jit
+def _k_step(acc, k0, x_ptr, xs_ptr, s_base, w_base, x_rows, cols, row_ok, col_ok, K, stride_xm, stride_xs, stride_wn,
+            BLOCK_K: tl.constexpr, A_FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+            W_FP8: tl.constexpr):
+    """acc += x[rows, k0:k0+BLOCK_K] @ W[e, cols, k0:k0+BLOCK_K].T, W dequantized or not (see the
+    module docstring); masked rows and columns read nothing."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    x_mask, w_mask = row_ok[:, None] & k_ok[None, :], col_ok[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + ks[None, :], mask=x_mask, other=0)
+    w8 = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0)  # e4m3 bits, or floats
+    if not W_FP8:  # float experts (x's dtype): the same schedule, no scales
+        acc = _dot(x, tl.trans(w8), acc, PRECISION, UPCAST)
+    elif A_FP8:  # e4m3 x e4m3 on the tensor cores, both scales applied to the block's product
+        x_scale = tl.load(xs_ptr + x_rows * stride_xs + k0 // 128, mask=row_ok, other=0.0)  # [BLOCK_M]
+        scale = tl.load(s_base + k0 // 128, mask=col_ok, other=0.0)  # [BLOCK_N]: one per column's block row
+        if UPCAST:  # the interpreter: exact float32 products of the e4m3 values
+            part = tl.dot(from_fp8_bits(x), tl.trans(from_fp8_bits(w8)), input_precision="ieee")
+        else:
+            part = tl.dot(x.to(tl.float8e4nv, bitcast=True), tl.trans(w8.to(tl.float8e4nv, bitcast=True)))
+        acc += part * x_scale[:, None] * scale[None, :]
+    else:  # weights dequantized in registers, x as it is
+        scale = tl.load(s_base + k0 // 128, mask=col_ok, other=0.0)
+        w = (from_fp8_bits(w8) * scale[:, None]).to(x.dtype)
+        acc = _dot(x, tl.trans(w), acc, PRECISION, UPCAST)
+    return acc
+
+
+@triton.jit
 def _grouped_fp8_kernel(
     x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, N, K,
     stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_om,
@@ -62,25 +90,54 @@ def _grouped_fp8_kernel(
         s_base = s_ptr + e.to(tl.int64) * stride_se + (cols // 128) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            x_mask, w_mask = row_ok[:, None] & k_ok[None, :], col_ok[:, None] & k_ok[None, :]
-            x = tl.load(x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + ks[None, :], mask=x_mask, other=0)
-            w8 = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0)  # e4m3 bits, or floats
-            if not W_FP8:  # float experts (x's dtype): the same schedule, no scales
-                acc = _dot(x, tl.trans(w8), acc, PRECISION, UPCAST)
-            elif A_FP8:  # e4m3 x e4m3 on the tensor cores, both scales applied to the block's product
-                x_scale = tl.load(xs_ptr + x_rows * stride_xs + k0 // 128, mask=row_ok, other=0.0)  # [BLOCK_M]
-                scale = tl.load(s_base + k0 // 128, mask=col_ok, other=0.0)  # [BLOCK_N]: one per column's block row
-                if UPCAST:  # the interpreter: exact float32 products of the e4m3 values
-                    part = tl.dot(from_fp8_bits(x), tl.trans(from_fp8_bits(w8)), input_precision="ieee")
-                else:
-                    part = tl.dot(x.to(tl.float8e4nv, bitcast=True), tl.trans(w8.to(tl.float8e4nv, bitcast=True)))
-                acc += part * x_scale[:, None] * scale[None, :]
-            else:  # weights dequantized in registers, x as it is
-                scale = tl.load(s_base + k0 // 128, mask=col_ok, other=0.0)
-                w = (from_fp8_bits(w8) * scale[:, None]).to(x.dtype)
-                acc = _dot(x, tl.trans(w), acc, PRECISION, UPCAST)
+            acc = _k_step(acc, k0, x_ptr, xs_ptr, s_base, w_base, x_rows, cols, row_ok, col_ok, K, stride_xm,
+                          stride_xs, stride_wn, BLOCK_K, A_FP8, PRECISION, UPCAST, W_FP8)
+        out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _grouped_persistent_kernel(
+    x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, N, K,
+    num_m_tiles, stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A_FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, W_FP8: tl.constexpr,
+    GATHER_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COUNT_CHUNK: tl.constexpr,
+):
+    """The same tiles, NUM_PROGRAMS programs each walking (M tile, N tile) items pid, pid +
+    NUM_PROGRAMS, ..., with the item and K loops flattened into one, so the pipeliner's copies
+    run ahead across item boundaries (a one-tile program starts and ends with an empty pipeline:
+    at decode sizes an item is only K / BLOCK_K steps)."""
+    pid = tl.program_id(0)
+    # The real M tiles are a prefix of the schedule (the rest name expert NUM_EXPERTS): count them.
+    n_real = 0
+    for c in range(0, num_m_tiles, COUNT_CHUNK):
+        offs = c + tl.arange(0, COUNT_CHUNK)
+        ex = tl.load(tile_expert_ptr + offs, mask=offs < num_m_tiles, other=NUM_EXPERTS)
+        n_real += tl.sum((ex < NUM_EXPERTS).to(tl.int32))
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    for item in tl.range(pid, n_real * n_tiles_n, NUM_PROGRAMS, flatten=True):
+        pid_m = item // n_tiles_n
+        pid_n = item % n_tiles_n
+        e = tl.load(tile_expert_ptr + pid_m)
+        row0 = tl.load(tile_row0_ptr + pid_m)
+        row_end = tl.load(tile_row_end_ptr + pid_m)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # e < NUM_EXPERTS always holds for a prefix schedule: a guard as masks, not a branch
+        # (compared as vectors: the interpreter mis-types a vector & a scalar bool)
+        row_ok = (rows < row_end) & ((rows * 0 + e) < NUM_EXPERTS)
+        col_ok = (cols < N) & ((cols * 0 + e) < NUM_EXPERTS)
+        x_rows = rows
+        if GATHER_K > 0:
+            x_rows = tl.load(order_ptr + rows, mask=row_ok, other=0) // GATHER_K
+        e_safe = tl.minimum(e, NUM_EXPERTS - 1).to(tl.int64)
+        w_base = w_ptr + e_safe * stride_we
+        s_base = s_ptr + e_safe * stride_se + (cols // 128) * stride_sn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = _k_step(acc, k0, x_ptr, xs_ptr, s_base, w_base, x_rows, cols, row_ok, col_ok, K, stride_xm,
+                          stride_xs, stride_wn, BLOCK_K, A_FP8, PRECISION, UPCAST, W_FP8)
         out = out_ptr + rows[:, None] * stride_om + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -117,15 +174,17 @@ def default_config(num_rows: int, num_experts: int, n: int, device, interpreter:
     ``kernels.py --only moe_bw``, V2-Lite gate_up at T=32, top-6) as fast as 128 x 128 over all
     64 experts (247 vs 246 us, 3.0 TB/s, the card's copy rate) and 14% faster when the rows
     crowd 16 of them (67 vs 78 us): twice the programs, each weight row read in 512-byte runs.
-    fp8 experts keep K steps of 128 (one scale block)."""
+    fp8 experts keep K steps of 128 (one scale block). ``PERSISTENT`` (0: off) > 0 runs that many
+    programs an SM over flattened item and K loops (:func:`_grouped_persistent_kernel`); opt-in
+    until an H200 run says whether it reads faster."""
     if interpreter:
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": BLOCK_K, "num_warps": 4, "num_stages": 1}
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": BLOCK_K, "num_warps": 4, "num_stages": 1, "PERSISTENT": 0}
     block_m = 16 if num_rows <= 4 * num_experts else 64
     if half_experts and block_m == 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "PERSISTENT": 0}
     tiles = -(-num_rows // block_m) + min(num_experts, num_rows)
     block_n = 64 if tiles * triton.cdiv(n, 128) < 2 * hardware(device).num_sms else 128
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": BLOCK_K, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": BLOCK_K, "num_warps": 4, "num_stages": 3, "PERSISTENT": 0}
 
 
 def half_experts(w: torch.Tensor, scale: torch.Tensor | None) -> bool:
@@ -148,6 +207,9 @@ def config_for(num_rows: int, num_experts: int, n: int, device, override: dict |
         v = config[key]
         if v < 16 or v & (v - 1):
             raise ValueError(f"grouped GEMM config: {key} must be a power of two >= 16, got {v}")
+    if not isinstance(config["PERSISTENT"], int) or config["PERSISTENT"] < 0:
+        raise ValueError(f"grouped GEMM config: PERSISTENT must be an int >= 0 (programs an SM), "
+                         f"got {config['PERSISTENT']!r}")
     return config
 
 
@@ -182,15 +244,25 @@ def run_tiles(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, sche
         raise ValueError(f"grouped GEMM config: BLOCK_K must be {BLOCK_K} (one scale block) for fp8 weights or "
                          f"activations, got {block_k}")
     in_interpreter = interpreted(_grouped_fp8_kernel)
+    common = dict(NUM_EXPERTS=num_experts, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=block_k,
+                  A_FP8=quantize_activations, PRECISION="ieee" if out_dtype == torch.float32 else "tf32",
+                  UPCAST=in_interpreter, W_FP8=w_fp8, GATHER_K=top_k if order is not None else 0,
+                  num_warps=config["num_warps"], num_stages=config["num_stages"])
+    if config.get("PERSISTENT", 0):
+        # a fixed grid (shapes only): PERSISTENT programs an SM, or fewer where there are fewer items
+        items = expert.shape[0] * triton.cdiv(n, config["BLOCK_N"])
+        programs = max(1, min(items, config["PERSISTENT"] * hardware(x.device).num_sms))
+        _grouped_persistent_kernel[(programs,)](
+            x, x_scale, w, s, out, expert, row0, row_end, order if order is not None else expert, n, k,
+            expert.shape[0], x.stride(0), x_scale.stride(0) if quantize_activations else 0, w.stride(0), w.stride(1),
+            s.stride(0) if w_fp8 else 0, s.stride(1) if w_fp8 else 0, out.stride(0),
+            NUM_PROGRAMS=programs, COUNT_CHUNK=min(1024, triton.next_power_of_2(expert.shape[0])), **common)
+        return out
     grid = (expert.shape[0], triton.cdiv(n, config["BLOCK_N"]))
     _grouped_fp8_kernel[grid](
         x, x_scale, w, s, out, expert, row0, row_end, order if order is not None else expert, n, k,
         x.stride(0), x_scale.stride(0) if quantize_activations else 0, w.stride(0), w.stride(1),
-        s.stride(0) if w_fp8 else 0, s.stride(1) if w_fp8 else 0, out.stride(0),
-        NUM_EXPERTS=num_experts, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=block_k,
-        A_FP8=quantize_activations, PRECISION="ieee" if out_dtype == torch.float32 else "tf32", UPCAST=in_interpreter,
-        W_FP8=w_fp8, GATHER_K=top_k if order is not None else 0,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        s.stride(0) if w_fp8 else 0, s.stride(1) if w_fp8 else 0, out.stride(0), **common,
     )
     return out
 

@@ -145,7 +145,7 @@ def test_default_tile_of_16_bit_experts_at_decode_sizes():
     from mlagraph.ops.triton.grouped_fp8 import default_config, half_experts
 
     got = default_config(192, 64, 2816, "cuda", interpreter=False, half_experts=True)
-    assert got == {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+    assert got == {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "PERSISTENT": 0}
     w, s = _experts("cpu")
     assert not half_experts(w, s) and not half_experts(torch.zeros(2, 2, 2), None)
     assert half_experts(torch.zeros(2, 2, 2, dtype=torch.bfloat16), None)
@@ -159,3 +159,35 @@ def test_fp8_experts_refuse_a_k_step_other_than_the_scale_block(block_k):
     match = "power of two" if block_k == 96 else "BLOCK_K must be 128"
     with pytest.raises(ValueError, match=match):
         grouped_fp8_mm(x, w, s, offs, config={"BLOCK_K": block_k})
+
+
+@pytest.mark.parametrize("programs", [1, 3])
+@pytest.mark.parametrize("kind", ["fp8", "fp8 activations", "float"])
+def test_persistent_programs_compute_the_same_tiles(device, kind, programs):
+    """PERSISTENT > 0: a fixed number of programs walk the (M tile, N tile) items with the item
+    and K loops flattened; each item as the one-tile-a-program kernel computes it (equal
+    bits), over empty experts, a single row and groups across tile edges, and for a program
+    count that does not divide the items. The CPU interpreter has one SM: 1 or 3 programs."""
+    from mlagraph.ops.triton.grouped_fp8 import grouped_float_mm
+
+    k = 256 if kind == "fp8 activations" else K
+    offs = torch.tensor(COUNTS, device=device).cumsum(0).int()
+    x = torch.randn(int(offs[-1]), k, device=device)
+    cfg = {"BLOCK_N": 32, "num_stages": 2}
+    if kind == "float":
+        w = torch.randn(E, N, k, generator=torch.Generator().manual_seed(1)).to(device) * k**-0.5
+        run = lambda c: grouped_float_mm(x, w, offs, config=c)  # noqa: E731
+    else:
+        w, s = _experts(device, k=k)
+        xb = x.bfloat16()
+        run = lambda c: grouped_fp8_mm(xb, w, s, offs, quantize_activations=kind != "fp8", config=c)  # noqa: E731
+    want = run(cfg)
+    got = run({**cfg, "PERSISTENT": programs})
+    assert torch.equal(got, want)
+
+
+def test_persistent_refuses_a_bad_program_count():
+    w, s = _experts("cpu")
+    offs = torch.tensor(COUNTS).cumsum(0).int()
+    with pytest.raises(ValueError, match="PERSISTENT must be an int >= 0"):
+        grouped_fp8_mm(torch.randn(int(offs[-1]), K), w, s, offs, config={"PERSISTENT": -1})
