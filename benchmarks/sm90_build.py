@@ -3,10 +3,13 @@ report what the build holds.
 
     python benchmarks/sm90_build.py --form keys --tma --layout fp8 --block-n 32 --warps 8 --stages 4
     python benchmarks/sm90_build.py --form grouped --block-m 16 --block-n 32 --block-k 512 --stages 3
+    python benchmarks/sm90_build.py --form grouped --layout fp8 --block-m 64 --block-n 128 --persistent 2
 
 Prints registers, stack frame (spills), shared memory, wgmma (HGMMA) and mma.sync (HMMA) counts,
 copy-engine loads (UTMALDG), spill loads (LDL) from the cubin's SASS, and the number of copy
-buffers the pipeliner allocated; ``--ttgir FILE`` writes the TTGIR. It uses the Triton it
+buffers the pipeliner allocated; ``--ttgir FILE`` writes the TTGIR, ``--sass FILE`` the SASS
+without offsets (``PYTHONPATH`` at another checkout builds its kernels: diff the two files to
+show a refactor left a kernel's code unchanged). It uses the Triton it
 imports; the H200's is 3.6 (torch 2.11), CI's 3.9, and the two allocate registers differently
 (a tile that spills in one may not in the other), so build with the device's:
 
@@ -44,8 +47,11 @@ def build_grouped(args):
     fn = grouped_fp8._grouped_persistent_kernel if args.persistent else grouped_fp8._grouped_fp8_kernel
     types = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*bf16", "s_ptr": "*fp32", "out_ptr": "*bf16",
              "tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_row_end_ptr": "*i32", "order_ptr": "*i32"}
-    consts = dict(NUM_EXPERTS=64, BLOCK_M=args.block_m, BLOCK_N=args.block_n, BLOCK_K=args.block_k, A_FP8=False,
-                  PRECISION="tf32", UPCAST=False, W_FP8=False, GATHER_K=6)
+    if args.layout != "bf16":  # fp8 experts (W8A16), or with fp8 activations too (W8A8, --layout fp8_ds)
+        types.update(w_ptr="*u8", x_ptr="*u8" if args.layout == "fp8_ds" else "*bf16")
+    consts = dict(NUM_EXPERTS=64, BLOCK_M=args.block_m, BLOCK_N=args.block_n, BLOCK_K=args.block_k,
+                  A_FP8=args.layout == "fp8_ds", PRECISION="tf32", UPCAST=False, W_FP8=args.layout != "bf16",
+                  GATHER_K=6)
     if args.persistent:  # programs an SM x 132 SMs; the schedule of V2-Lite at T=32 (76 M tiles)
         consts.update(NUM_PROGRAMS=args.persistent * 132, COUNT_CHUNK=128)
     return _compile(fn, types, consts, ["N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om"], args)
@@ -87,6 +93,17 @@ def _compile(fn, types: dict, consts: dict, ints_div16: list[str], args):
                           options={"num_warps": args.warps, "num_stages": args.stages})
 
 
+def sass_text(kernel) -> str:
+    """The cubin's SASS, one instruction a line, without offsets: equal for equal code."""
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    offset = re.compile(r"/\*[0-9a-f]{4}\*/")
+    return "\n".join(offset.sub("", line).strip() for line in sass.splitlines() if offset.search(line))
+
+
 def report(kernel) -> str:
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
@@ -120,12 +137,16 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--splits", type=int, default=2)
     p.add_argument("--ttgir", default=None, help="write the TTGIR here")
+    p.add_argument("--sass", default=None, help="write the SASS here, without addresses (diff two trees' builds)")
     args = p.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     kernel = build(args)
     if args.ttgir:
         with open(args.ttgir, "w") as f:
             f.write(kernel.asm["ttgir"])
+    if args.sass:
+        with open(args.sass, "w") as f:
+            f.write(sass_text(kernel))
     print(" ".join(sys.argv[1:]) or "(defaults)", "->", report(kernel))
 
 

@@ -202,11 +202,16 @@ def _row_scale(p, valid, sk_d, F32_LOAD: tl.constexpr):
 
 @triton.jit
 def _key_block(k_ptr, bt_ptr, r, j, j_end, n, d, D, S, page_size, sbt_b, sbt_p, sk_slot, sk_d,
-               FP8: tl.constexpr, ALIGN: tl.constexpr, SCALE_F32: tl.constexpr, BLOCK_N: tl.constexpr):
+               FP8: tl.constexpr, ALIGN: tl.constexpr, SCALE_F32: tl.constexpr, BLOCK_N: tl.constexpr,
+               GUARD: tl.constexpr):
     """Key block j of request r, raw: (keys [BLOCK_N, BLOCK_D] as stored, fp8 row scales or a
-    dummy, valid [BLOCK_N], positions s [BLOCK_N]). Nothing is read for j >= j_end."""
+    dummy, valid [BLOCK_N], positions s [BLOCK_N]). GUARD: nothing is read for j >= j_end (the
+    prefetch past a split's last block); without it the caller keeps j < j_end."""
     s = j * BLOCK_N + n
-    page = tl.load(bt_ptr + r * sbt_b + (s // page_size) * sbt_p, mask=(s < S) & (s < j_end * BLOCK_N), other=-1)
+    in_table = s < S
+    if GUARD:
+        in_table = in_table & (s < j_end * BLOCK_N)
+    page = tl.load(bt_ptr + r * sbt_b + (s // page_size) * sbt_p, mask=in_table, other=-1)
     valid = page >= 0
     row = tl.multiple_of((page.to(tl.int64) * page_size + s % page_size) * sk_slot, ALIGN)
     kt = tl.load(k_ptr + row[:, None] + d[None, :] * sk_d, mask=valid[:, None] & (d < D)[None, :], other=0)
@@ -286,18 +291,18 @@ def _logits_kernel(
             # program always has one block in flight whatever the pipeliner does (it gives
             # these register-consumed loads a single copy buffer).
             kt, scale, valid, s = _key_block(k_ptr, bt_ptr, r, j_begin, j_end, n, d, D, S, page_size, sbt_b, sbt_p,
-                                             sk_slot, sk_d, FP8, ALIGN, SCALE_F32, BLOCK_N)
+                                             sk_slot, sk_d, FP8, ALIGN, SCALE_F32, BLOCK_N, True)
             for j in tl.range(j_begin, j_end, num_stages=1):  # no pipeliner: the prefetch is explicit
                 kt_next, scale_next, valid_next, s_next = _key_block(
                     k_ptr, bt_ptr, r, j + 1, j_end, n, d, D, S, page_size, sbt_b, sbt_p, sk_slot, sk_d, FP8, ALIGN,
-                    SCALE_F32, BLOCK_N)
+                    SCALE_F32, BLOCK_N, True)
                 _score_block(kt, scale, valid, s, qt, wt, pos, active, out_ptr, t64, so_t, W, FP8, FP16_DOTS,
                              DOT_F32, INTERPRETED, BLOCK_N, BLOCK_T, BLOCK_H)
                 kt, scale, valid, s = kt_next, scale_next, valid_next, s_next
         else:
             for j in tl.range(j_begin, j_end, num_stages=NUM_STAGES):
                 kt, scale, valid, s = _key_block(k_ptr, bt_ptr, r, j, j_end, n, d, D, S, page_size, sbt_b, sbt_p,
-                                                 sk_slot, sk_d, FP8, ALIGN, SCALE_F32, BLOCK_N)
+                                                 sk_slot, sk_d, FP8, ALIGN, SCALE_F32, BLOCK_N, False)
                 _score_block(kt, scale, valid, s, qt, wt, pos, active, out_ptr, t64, so_t, W, FP8, FP16_DOTS,
                              DOT_F32, INTERPRETED, BLOCK_N, BLOCK_T, BLOCK_H)
         if FILL:  # the blocks past every visible key, split the same way: -inf only
