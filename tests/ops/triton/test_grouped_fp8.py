@@ -191,3 +191,26 @@ def test_persistent_refuses_a_bad_program_count():
     offs = torch.tensor(COUNTS).cumsum(0).int()
     with pytest.raises(ValueError, match="PERSISTENT must be an int >= 0"):
         grouped_fp8_mm(torch.randn(int(offs[-1]), K), w, s, offs, config={"PERSISTENT": -1})
+
+
+def test_persistent_programs_read_rows_in_place_as_the_sorted_path_does(device):
+    """As the sorted MoE path launches it: moe_sort's tile schedule and each sorted row reading
+    its token's row of x in place (order, top_k), bf16 experts at the decode tile. The
+    persistent kernel gives the one-tile kernel's bits."""
+    from mlagraph.ops.triton.grouped_fp8 import config_for, run_tiles
+    from mlagraph.ops.triton.moe_sort import sort_pairs
+
+    g = torch.Generator().manual_seed(3)
+    t, top_k, experts, n, k = 9, 3, 8, 96, 64
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(t)]).to(device)
+    x = torch.randn(t, k, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(experts, n, k, generator=g) * k**-0.5).to(device, torch.bfloat16)
+    cfg = config_for(t * top_k, experts, n, x.device, {"BLOCK_N": 32, "BLOCK_K": 32, "num_stages": 2},
+                     half_experts=True)
+    sort = sort_pairs(ids, experts, cfg["BLOCK_M"])
+    want = run_tiles(x, w, None, sort.schedule, t * top_k, cfg, order=sort.order, top_k=top_k)
+    got = run_tiles(x, w, None, sort.schedule, t * top_k, {**cfg, "PERSISTENT": 2}, order=sort.order, top_k=top_k)
+    assert torch.equal(got, want)
+    pairs = x.float()[sort.order.long() // top_k]  # sorted row r is pair order[r]
+    exact = torch.einsum("pk,pnk->pn", pairs, w.float()[ids.view(-1)[sort.order.long()]])
+    torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-2 * exact.abs().max().item())
