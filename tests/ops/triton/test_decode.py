@@ -291,6 +291,23 @@ def test_deepseek_shapes_keys_major(device, kind, s_q, config):
     assert_padding(out, lse, DS_LENS, s_q)
 
 
+KEYS_ROWS = {**GPU_KEYS, "TMA": True, "num_warps": 4}
+HEAD_COUNT_CASES = [("bf16", None), ("fp8_ds", None), ("bf16", {**KEYS_ROWS, "BLOCK_H": 16}),
+                    ("bf16", {**KEYS_ROWS, "BLOCK_H": 32})]  # the keys-major TMA form reads bf16 caches
+
+
+@cuda_only
+@pytest.mark.parametrize("kind,config", HEAD_COUNT_CASES, ids=["bf16", "fp8_ds", "keys_rows16", "keys_rows32"])
+@pytest.mark.parametrize("heads", [1, 8, 24, 40, 64])
+def test_tensor_parallel_head_counts(device, kind, config, heads):
+    """A tensor-parallel shard's head counts (8, 24, 64 of 128; 1 and 40 for counts no library
+    takes unpadded) at DeepSeek's widths, by default and in keys-major row blocks of 16 / 32
+    (several blocks a request, the last one partial)."""
+    args = decode_args(kind, DS_LENS, 1, DS_PAGE, heads=heads, latent=DS_L, rope=DS_R, q_dtype=torch.bfloat16)
+    out, lse = check(args, device, config=config, **BF16_TOL)
+    assert_padding(out, lse, DS_LENS, 1)
+
+
 @cuda_only
 def test_cuda_graph_replay_matches_eager(device):
     """Captured once, replayed with new lengths (padding <-> live requests), new cache contents and
