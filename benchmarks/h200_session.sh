@@ -67,6 +67,12 @@ PY
     echo "rerun alone rc=$? ($(echo "$failed" | wc -l) tests)"
     grep -E "^(FAILED|ERROR)| passed| failed" "$OUT/$name-rerun.log" | sort -u | tail -20
   fi
+  # One line per test that reported, from every log of this slice ("[gwN] [ 5%] PASSED tests/..."
+  # under xdist); a later log's outcome (the second run, the rerun) replaces an earlier one's.
+  cat "$OUT/$name.log" "$OUT/$name-rest.log" "$OUT/$name-rerun.log" 2>/dev/null \
+    | grep -oE "(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) tests/[^ ]+" \
+    | awk '{last[$2] = $1} END {for (t in last) print last[t], t}' | sort -k2 >"$OUT/${name}_outcomes.txt"
+  echo "outcomes ($OUT/${name}_outcomes.txt): $(cut -d' ' -f1 "$OUT/${name}_outcomes.txt" | sort | uniq -c | xargs)"
 fi
 # Benchmarks: "a.py ARGS [-- b.py ARGS ...]", one after another, each in its own log (bench.txt,
 # bench2.txt, ...), each under BENCH_TIMEOUT and all of them under BENCH_TOTAL seconds.
