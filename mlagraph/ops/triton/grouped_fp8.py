@@ -184,7 +184,8 @@ def default_config(num_rows: int, num_experts: int, n: int, device, interpreter:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "PERSISTENT": 0}
     tiles = -(-num_rows // block_m) + min(num_experts, num_rows)
     block_n = 64 if tiles * triton.cdiv(n, 128) < 2 * hardware(device).num_sms else 128
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": BLOCK_K, "num_warps": 4, "num_stages": 3, "PERSISTENT": 0}
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": BLOCK_K, "num_warps": 4, "num_stages": 3,
+            "PERSISTENT": 0}
 
 
 def half_experts(w: torch.Tensor, scale: torch.Tensor | None) -> bool:

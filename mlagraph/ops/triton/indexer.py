@@ -288,8 +288,8 @@ def _logits_kernel(
         j_end = tl.minimum(j_begin + per_split, n_vis)
         if PREFETCH:
             # Block j + 1's bytes are loaded into registers before block j is scored, so a
-            # program always has one block in flight whatever the pipeliner does (it gives
-            # these register-consumed loads a single copy buffer).
+            # program always has one block in flight whatever the pipeliner would do (it gives
+            # these register-consumed loads one or two copy buffers).
             kt, scale, valid, s = _key_block(k_ptr, bt_ptr, r, j_begin, j_end, n, d, D, S, page_size, sbt_b, sbt_p,
                                              sk_slot, sk_d, FP8, ALIGN, SCALE_F32, BLOCK_N, True)
             for j in tl.range(j_begin, j_end, num_stages=1):  # no pipeliner: the prefetch is explicit
@@ -361,8 +361,8 @@ def _scores(q, weights, k_cache, req_ids, positions, block_table, layout, width,
         req_ids.stride(0), positions.stride(0), block_table.stride(0), block_table.stride(1),
         row_stride, cache.stride(2), out.stride(0),
         FP8=fp8, DOT_F32=dot_f32, INTERPRETED=interpreted(_logits_kernel), ALIGN=align,
-        SCALE_F32=scale_f32, FP16_DOTS=fp8 and cfg.fp16_dots and not dot_f32, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
-        BLOCK_N=block_n, NUM_STAGES=num_stages, FILL=fill, MIN_BLOCKS=min_blocks, PREFETCH=cfg.prefetch,
+        SCALE_F32=scale_f32, FP16_DOTS=fp8 and cfg.fp16_dots and not dot_f32, BLOCK_T=block_t, BLOCK_H=block_h,
+        BLOCK_D=block_d, BLOCK_N=block_n, NUM_STAGES=num_stages, FILL=fill, MIN_BLOCKS=min_blocks, PREFETCH=cfg.prefetch,
         num_warps=num_warps,
     )
     return out
