@@ -52,8 +52,8 @@ def build_grouped(args):
     consts = dict(NUM_EXPERTS=64, BLOCK_M=args.block_m, BLOCK_N=args.block_n, BLOCK_K=args.block_k,
                   A_FP8=args.layout == "fp8_ds", PRECISION="tf32", UPCAST=False, W_FP8=args.layout != "bf16",
                   GATHER_K=6)
-    if args.persistent:  # programs an SM x 132 SMs; the schedule of V2-Lite at T=32 (76 M tiles)
-        consts.update(NUM_PROGRAMS=args.persistent * 132, COUNT_CHUNK=128)
+    if args.persistent:  # the schedule of V2-Lite at T=32 (76 M tiles); the program count is the grid's
+        consts.update(COUNT_CHUNK=128)
     return _compile(fn, types, consts, ["N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om"], args)
 
 

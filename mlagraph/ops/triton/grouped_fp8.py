@@ -102,13 +102,15 @@ def _grouped_persistent_kernel(
     num_m_tiles, stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     A_FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, W_FP8: tl.constexpr,
-    GATHER_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COUNT_CHUNK: tl.constexpr,
+    GATHER_K: tl.constexpr, COUNT_CHUNK: tl.constexpr,
 ):
-    """The same tiles, NUM_PROGRAMS programs each walking (M tile, N tile) items pid, pid +
-    NUM_PROGRAMS, ..., with the item and K loops flattened into one, so the pipeliner's copies
-    run ahead across item boundaries (a one-tile program starts and ends with an empty pipeline:
-    at decode sizes an item is only K / BLOCK_K steps)."""
+    """The same tiles, P programs (the grid) each walking (M tile, N tile) items pid, pid + P,
+    ..., with the item and K loops flattened into one, so the pipeliner's copies run ahead
+    across item boundaries (a one-tile program starts and ends with an empty pipeline: at
+    decode sizes an item is only K / BLOCK_K steps). P is read from the grid, not compiled in,
+    so batch sizes with fewer items than P do not each build a kernel."""
     pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
     # The real M tiles are a prefix of the schedule (the rest name expert NUM_EXPERTS): count them.
     n_real = 0
     for c in range(0, num_m_tiles, COUNT_CHUNK):
@@ -116,7 +118,7 @@ def _grouped_persistent_kernel(
         ex = tl.load(tile_expert_ptr + offs, mask=offs < num_m_tiles, other=NUM_EXPERTS)
         n_real += tl.sum((ex < NUM_EXPERTS).to(tl.int32))
     n_tiles_n = tl.cdiv(N, BLOCK_N)
-    for item in tl.range(pid, n_real * n_tiles_n, NUM_PROGRAMS, flatten=True):
+    for item in tl.range(pid, n_real * n_tiles_n, num_programs, flatten=True):
         pid_m = item // n_tiles_n
         pid_n = item % n_tiles_n
         e = tl.load(tile_expert_ptr + pid_m)
@@ -257,7 +259,7 @@ def run_tiles(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, sche
             x, x_scale, w, s, out, expert, row0, row_end, order if order is not None else expert, n, k,
             expert.shape[0], x.stride(0), x_scale.stride(0) if quantize_activations else 0, w.stride(0), w.stride(1),
             s.stride(0) if w_fp8 else 0, s.stride(1) if w_fp8 else 0, out.stride(0),
-            NUM_PROGRAMS=programs, COUNT_CHUNK=min(1024, triton.next_power_of_2(expert.shape[0])), **common)
+            COUNT_CHUNK=min(1024, triton.next_power_of_2(expert.shape[0])), **common)
         return out
     grid = (expert.shape[0], triton.cdiv(n, config["BLOCK_N"]))
     _grouped_fp8_kernel[grid](
