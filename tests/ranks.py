@@ -7,6 +7,7 @@ point between choosing it and using it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import tempfile
@@ -33,3 +34,18 @@ def join_gloo(rank: int, world: int, init_method: str, seconds: float = 240) -> 
     """In a spawned rank: the default process group on gloo (collectives time out after ``seconds``)."""
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=seconds))
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, init_method: str, seconds: float = 240):
+    """:func:`join_gloo` for the body; on the way out a barrier if the body succeeded, then
+    ``destroy_process_group``. The barrier has every rank finish before any tears its group
+    down: once in CI (2026-12-07) a rank aborted in gloo's C++ teardown ("terminate called
+    without an active exception") while its peer was still closing. A failing body skips it,
+    so the failure is raised at once rather than after a collective's timeout."""
+    join_gloo(rank, world, init_method, seconds)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

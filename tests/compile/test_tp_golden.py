@@ -12,15 +12,13 @@ import os
 import tempfile
 
 import expecttest
-import torch.distributed as dist
 
-from tests.ranks import join_gloo, spawn_ranks
+from tests.ranks import gloo_group, spawn_ranks
 
 
 
 def _worker(rank: int, world: int, init_method: str, out: str) -> None:
-    join_gloo(rank, world, init_method)
-    try:
+    with gloo_group(rank, world, init_method):
         import mlagraph
         from mlagraph.model import DeepseekForCausalLM
         from mlagraph.model.batch import build_batch
@@ -36,8 +34,6 @@ def _worker(rank: int, world: int, init_method: str, out: str) -> None:
         if rank == 0:
             with open(out, "w") as f:
                 f.write(mlagraph.passes.last_compile().after)
-    finally:
-        dist.destroy_process_group()
 
 
 class TestTensorParallelGolden(expecttest.TestCase):

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from mlagraph.model import parallel
 from mlagraph.model.config import DeepseekConfig
 from tests.model.conftest import hf_config
-from tests.ranks import join_gloo, spawn_ranks
+from tests.ranks import gloo_group, spawn_ranks
 
 
 
 def _worker(rank: int, world: int, init_method: str) -> None:
-    join_gloo(rank, world, init_method, seconds=60)
-    try:
+    with gloo_group(rank, world, init_method, seconds=60):
         with pytest.raises(ValueError, match="world size"):
             parallel.parallel_state(world + 1)
         ps = parallel.parallel_state(world)
@@ -32,8 +30,6 @@ def _worker(rank: int, world: int, init_method: str) -> None:
         torch.testing.assert_close(step(x), want, rtol=0, atol=0)
         compiled = torch.compile(step, backend="mlagraph_eager", fullgraph=True)
         torch.testing.assert_close(compiled(x), want, rtol=0, atol=0)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.model.conftest import VOCAB, hf_config, make_hf_model
-from tests.ranks import join_gloo, spawn_ranks
+from tests.ranks import gloo_group, spawn_ranks
 
 KINDS = ("v2", "v3", "v32")
 
@@ -40,8 +40,7 @@ def _same(got, want) -> None:
 
 
 def _worker(rank: int, world: int, init_method: str, ckpts: dict, compile: bool) -> None:
-    join_gloo(rank, world, init_method)
-    try:
+    with gloo_group(rank, world, init_method):
         from mlagraph.model import DeepseekForCausalLM
 
         for kind in KINDS:
@@ -64,8 +63,6 @@ def _worker(rank: int, world: int, init_method: str, ckpts: dict, compile: bool)
                 loaded = DeepseekForCausalLM.from_pretrained(ckpts[kind], progress=False, tensor_parallel_size=world)
                 want = _outputs(DeepseekForCausalLM.from_pretrained(ckpts[kind], progress=False), compile=False)
                 _same(_outputs(loaded, compile), want)
-    finally:
-        dist.destroy_process_group()
 
 
 
@@ -84,8 +81,7 @@ def test_compiled_ranks_equal_one_rank():
 
 
 def _fp8_worker(rank: int, world: int, init_method: str, path: str) -> None:
-    join_gloo(rank, world, init_method)
-    try:
+    with gloo_group(rank, world, init_method):
         from mlagraph.model import DeepseekForCausalLM
         from mlagraph.model.fp8_weights import Fp8Linear
         from mlagraph.ops.fp8 import FP8_DTYPE
@@ -110,8 +106,6 @@ def _fp8_worker(rank: int, world: int, init_method: str, path: str) -> None:
         assert not isinstance(attn.o_proj, Fp8Linear)  # 16 of its 32 columns a rank
         prompts = [[3, 17, 42, 8, 8, 61, 0, 25, 11], [5, 60, 2, 33]]  # the checkpoint's vocabulary is 64
         _same(_outputs(split, False, prompts), _outputs(one, False, prompts))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fp8_weights_stay_fp8_across_ranks(tmp_path):
