@@ -93,25 +93,27 @@ def _compile(fn, types: dict, consts: dict, ints_div16: list[str], args):
                           options={"num_warps": args.warps, "num_stages": args.stages})
 
 
-def sass_text(kernel) -> str:
-    """The cubin's SASS, one instruction a line, without offsets: equal for equal code."""
+def _cuobjdump(kernel, *flags: str) -> list[str]:
+    """cuobjdump's output for each flag (e.g. --dump-sass), over the kernel's cubin."""
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
-    sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
+    try:
+        return [subprocess.run([os.path.join(tools, "cuobjdump"), flag, f.name], capture_output=True, text=True).stdout
+                for flag in flags]
+    finally:
+        os.unlink(f.name)
+
+
+def sass_text(kernel) -> str:
+    """The cubin's SASS, one instruction a line, without offsets: equal for equal code."""
+    (sass,) = _cuobjdump(kernel, "--dump-sass")
     offset = re.compile(r"/\*[0-9a-f]{4}\*/")
     return "\n".join(offset.sub("", line).strip() for line in sass.splitlines() if offset.search(line))
 
 
 def report(kernel) -> str:
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
-                           capture_output=True, text=True).stdout
-    sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
+    usage, sass = _cuobjdump(kernel, "--dump-resource-usage", "--dump-sass")
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
     buffers = [int(m) for m in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", kernel.asm["ttgir"])]
