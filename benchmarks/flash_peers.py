@@ -117,6 +117,11 @@ def bench_flash(rows, args, g):
         if args.sweep and h * s_q <= 32:
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
                   KEYS_SWEEP.get((s_q, b), KEYS_SWEEP.get(s_q, [])), graphs=True)
+        if h * s_q > 32:
+            # The Gluon form (the default on Hopper past 32 rows) against the rows form it replaced.
+            sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
+                  [{"FORM": "rows"}, {"FORM": "wgmma", "MAX_SPLITS": 2}, {"FORM": "wgmma", "num_stages": 1}],
+                  graphs=True)
         mirrors = {table: table.cpu(), lens: lens.cpu()}
         for lib, backend, why, raw in (("flashmla", fm, fm_why, lambda: _raw_flashmla_decode(q_nope, q_pe, cache, table, lens, "bf16")),
                                        ("flashinfer", fi, fi_why, lambda: _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens))):
@@ -151,11 +156,13 @@ def bench_flash(rows, args, g):
         run.run("triton", triton_op, check, graph_fns=[triton_op])
         if h >= 24:
             # The keys-major form in row blocks of 16 or 32 (each block re-reads the keys, mostly
-            # from L2) against the default: the rows form past 32 rows, whose 64-row block
-            # computes the scores in both warp groups, or one 32-row keys block at 24-32 rows.
+            # from L2), the rows form, and the Gluon form (the default past 32 rows; at 24-32 rows
+            # it pads the 64-row block) against the default.
             keys = {"FORM": "keys", "TMA": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
-                  [{**keys, "BLOCK_H": bh, "MAX_SPLITS": sp} for bh in (16, 32) for sp in (1, 2)], graphs=True)
+                  [{**keys, "BLOCK_H": bh, "MAX_SPLITS": sp} for bh in (16, 32) for sp in (1, 2)]
+                  + [{"FORM": "rows"}, {"FORM": "wgmma"} if h <= 32 else {"FORM": "wgmma", "MAX_SPLITS": 2}],
+                  graphs=True)
         run.peer("flashmla raw", lambda: _raw_flashmla_decode(q_nope, q_pe, cache, table, lens, "bf16"), check)
         run.peer("flashinfer raw", lambda: _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens), check)
         del cache, table, lens, q, want

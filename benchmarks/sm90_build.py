@@ -57,9 +57,18 @@ def build_grouped(args):
     return _compile(fn, types, consts, ["N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om"], args)
 
 
+def build_wgmma(args):
+    """The Gluon decode kernel (mlagraph/ops/triton/decode_wgmma.py): bf16 cache, 64 rows a program."""
+    from mlagraph.ops.triton import decode_wgmma
+
+    return decode_wgmma.compile_for_sm90(args.s_q, args.heads, args.splits, args.stages)
+
+
 def build(args):
     if args.form == "grouped":
         return build_grouped(args)
+    if args.form == "wgmma":
+        return build_wgmma(args)
     from mlagraph.ops.triton import decode, decode_keys, decode_keys_fp8
 
     layout = {"bf16": 0, "fp8": 1, "fp8_ds": 2}[args.layout]
@@ -125,7 +134,7 @@ def report(kernel) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--form", choices=["rows", "keys", "grouped"], default="keys")
+    p.add_argument("--form", choices=["rows", "keys", "grouped", "wgmma"], default="keys")
     p.add_argument("--tma", action="store_true", help="keys form: whole blocks through tensor descriptors")
     p.add_argument("--layout", choices=["bf16", "fp8", "fp8_ds"], default="bf16")
     p.add_argument("--heads", type=int, default=16)

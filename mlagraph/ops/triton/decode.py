@@ -35,7 +35,10 @@ unreliable), so CPU results are the exact-arithmetic version of the GPU's.
 The keys-major form (:mod:`.decode_keys`, config ``FORM="keys"``, optionally ``TMA=True``) puts
 the keys on the MMA's M side for the memory-bound row counts. With TMA it is the default on
 CUDA for bf16 caches at 32 rows or fewer whose 64-key blocks the copy engine can read whole
-(:func:`default_config`); other caches, fp8 layouts and more rows run the rows form here.
+(:func:`default_config`). The Gluon form (:mod:`.decode_wgmma`, ``FORM="wgmma"``) is the default
+past 32 rows on Hopper for bf16 queries and caches the copy engine can read
+(:func:`wgmma_blocks`): its two warp groups split the scores instead of both computing them.
+Other caches, fp8 layouts and other GPUs run the rows form here.
 
 Nothing here reads tensor values on the host, so a call can be captured in a CUDA graph.
 :func:`default_config` picks block sizes and MAX_SPLITS from shapes; :func:`mla_decode_with_config`
@@ -52,6 +55,7 @@ import triton.language as tl
 
 from ._decode_tiles import (_block_rows, _dot, _kv_len, _load_latent, _load_rope, _normalizer, _query_rows,
                             _score_scales, _split_len, _split_run)
+from . import decode_wgmma
 from .decode_keys import _split_keys_kernel
 from .decode_keys_fp8 import _split_keys_fp8_kernel
 from ._hardware import H200_SMS, hardware, interpreted
@@ -194,10 +198,15 @@ def _pick_splits(base: int, slots: int, cap: int) -> int:
 
 
 def default_config(batch: int, rows: int, max_len: int, kv_lora_rank: int, layout: str, q_dtype: torch.dtype,
-                   num_sms: int = H200_SMS, keys_tma: bool = False) -> dict:
+                   num_sms: int = H200_SMS, keys_tma: bool = False, wgmma: bool = False) -> dict:
     """Block sizes, warps, stages and MAX_SPLITS from shapes only (numbers from compiling for
     sm_90 offline: registers, spills, shared memory; not yet timed). ``keys_tma``: the copy
-    engine can read this cache's 64-key blocks whole (:func:`tma_blocks`).
+    engine can read this cache's 64-key blocks whole (:func:`tma_blocks`); ``wgmma``: the Gluon
+    form runs here (:func:`wgmma_blocks` found nothing against it).
+
+    - wgmma, more than 32 rows: the Gluon form (:mod:`.decode_wgmma`), 64 rows and 64 keys a
+      block, 8 warps, 2 stages (224 KB of shared memory at L=512: one CTA an SM); splits by the
+      wave rule over one CTA an SM, each split at least 2 key blocks.
 
     - keys_tma, a bf16 cache, 32 rows or fewer (H=16 at s_q 1-2, a TP shard's heads), bf16 or
       fp16 queries: the keys-major form (:mod:`.decode_keys`) with TMA, BLOCK_N 64, 4 warps, 2
@@ -221,6 +230,8 @@ def default_config(batch: int, rows: int, max_len: int, kv_lora_rank: int, layou
     - float32 queries (tests, float32 models) run exact IEEE float32 dots: small blocks.
     """
     fp32 = q_dtype == torch.float32
+    if wgmma and rows > 32:
+        return _wgmma_config(batch, rows, max_len, num_sms)
     block_h = min(16 if fp32 else 64, max(16, triton.next_power_of_2(rows)))
     if keys_tma and layout == "bf16" and not fp32 and rows <= 32:
         cap = max(1, min(64, triton.cdiv(max_len, 64)))
@@ -253,6 +264,14 @@ def default_config(batch: int, rows: int, max_len: int, kv_lora_rank: int, layou
             "MAX_SPLITS": max_splits, "FP16_DOT": fp16_dot, "FORM": "rows", "TMA": False}
 
 
+def _wgmma_config(batch: int, rows: int, max_len: int, num_sms: int) -> dict:
+    """The Gluon form's config (see :func:`default_config`)."""
+    cap = max(1, min(64, triton.cdiv(max_len, decode_wgmma.BLOCK_N) // 2))
+    splits = _pick_splits(batch * triton.cdiv(rows, decode_wgmma.BLOCK_H), num_sms, cap)
+    return {"BLOCK_H": decode_wgmma.BLOCK_H, "BLOCK_N": decode_wgmma.BLOCK_N, "num_warps": decode_wgmma.NUM_WARPS,
+            "num_stages": 2, "MAX_SPLITS": splits, "FP16_DOT": False, "FORM": "wgmma", "TMA": True}
+
+
 def _dot_width(dim: int) -> int:
     """A head dim rounded up to what tl.arange and tl.dot take (DeepSeek's 512 and 64 already are)."""
     return max(16, triton.next_power_of_2(dim))
@@ -268,10 +287,19 @@ def _check_config(config: dict, override: dict) -> None:
             raise ValueError(f"mla_decode config: {key} must be a power of two >= 16, got {v}")
     if config["MAX_SPLITS"] < 1:
         raise ValueError(f"mla_decode config: MAX_SPLITS must be >= 1, got {config['MAX_SPLITS']}")
-    if config["FORM"] not in ("rows", "keys"):
-        raise ValueError(f"mla_decode config: FORM must be 'rows' or 'keys', got {config['FORM']!r}")
+    if config["FORM"] not in ("rows", "keys", "wgmma"):
+        raise ValueError(f"mla_decode config: FORM must be 'rows', 'keys' or 'wgmma', got {config['FORM']!r}")
+    if config["FORM"] == "wgmma":
+        fixed = {"BLOCK_H": decode_wgmma.BLOCK_H, "BLOCK_N": decode_wgmma.BLOCK_N, "num_warps": decode_wgmma.NUM_WARPS,
+                 "FP16_DOT": False, "TMA": True}
+        for key, want in fixed.items():
+            if config[key] != want:
+                raise ValueError(f"mla_decode config: FORM 'wgmma' takes {key} {want}, got {config[key]}")
+        if config["num_stages"] < 1:
+            raise ValueError(f"mla_decode config: FORM 'wgmma' needs num_stages >= 1, got {config['num_stages']}")
+        return
     if config["TMA"] and config["FORM"] != "keys":
-        raise ValueError("mla_decode config: TMA needs FORM 'keys'")
+        raise ValueError("mla_decode config: TMA needs FORM 'keys' (or 'wgmma', always through the copy engine)")
     if config["TMA"] and config["num_stages"] < 2:
         # Not pipelined, the copies run inside the loop; with a bf16 cache that gave wrong
         # outputs on an H100 (Triton 3.6, 2026-12-07), so it is refused rather than guessed at.
@@ -293,6 +321,19 @@ def tma_blocks(kv_cache: torch.Tensor, latent: int, rope: int, block_n: int) -> 
     if kv_cache.data_ptr() % 16 or (width * kv_cache.element_size()) % 16:
         return "cache rows are not 16-byte aligned"
     return None
+
+
+def wgmma_blocks(q_nope: torch.Tensor, kv_cache: torch.Tensor, layout: str, latent: int, rope: int) -> str | None:
+    """Why the Gluon form (:mod:`.decode_wgmma`) cannot run this call (None: it can)."""
+    if not decode_wgmma.AVAILABLE:
+        return "this Triton has no Gluon (triton.experimental.gluon)"
+    if q_nope.device.type != "cuda" or torch.cuda.get_device_capability(q_nope.device) != (9, 0):
+        return "it needs a Hopper GPU (sm_90: warp-group MMA)"
+    if layout != "bf16" or q_nope.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
+        return f"it reads bf16 caches with bf16 queries, got layout {layout!r}, q {q_nope.dtype}"
+    if not decode_wgmma.shapes_supported(latent, rope):
+        return f"kv_lora_rank {latent} / rope dim {rope}: it takes 64..512 / 16..64, powers of two"
+    return tma_blocks(kv_cache, latent, rope, decode_wgmma.BLOCK_N)
 
 
 def _cache_descriptors(kv_cache: torch.Tensor, layout: str, latent: int, rope: int, block_n: int):
@@ -323,7 +364,7 @@ def mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, sof
 def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, softmax_scale,
                            config: dict | None = None):
     """:func:`mla_decode` with optional overrides of :func:`default_config`'s keys (BLOCK_H,
-    BLOCK_N, num_warps, num_stages, MAX_SPLITS, FP16_DOT, FORM "rows" | "keys", TMA); the keys not
+    BLOCK_N, num_warps, num_stages, MAX_SPLITS, FP16_DOT, FORM "rows" | "keys" | "wgmma", TMA); the keys not
     given keep their default. TMA where the cache's blocks cannot be copied whole is refused
     (:func:`tma_blocks` says why)."""
     check_runnable("mla_decode", _split_kernel, q_nope)
@@ -341,13 +382,25 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
     if batch == 0 or rows == 0:
         return out, lse
 
-    # The keys-major TMA form is the default where it applies and the caller picked no form.
+    # The keys-major TMA form (<= 32 rows) and the Gluon form (more rows) are the defaults where
+    # they apply and the caller picked no form.
     picked = {"FORM", "TMA"} & set(config or {})
     keys_tma = (q_nope.device.type == "cuda" and layout == "bf16" and rows <= 32 and not picked
                 and tma_blocks(kv_cache, latent, rope, 64) is None)
-    cfg = default_config(batch, rows, max_len, latent, layout, q_nope.dtype, _num_sms(q_nope.device), keys_tma)
+    asked = (config or {}).get("FORM") == "wgmma"
+    wgmma = asked or (not picked and rows > 32 and q_nope.device.type == "cuda")
+    if wgmma:
+        why = wgmma_blocks(q_nope, kv_cache, layout, latent, rope)
+        if why is not None and asked:
+            raise ValueError(f"mla_decode config: FORM 'wgmma' asked for, but {why}")
+        wgmma = why is None
+    if asked:  # at any row count (<= 32 rows pad the 64-row block)
+        cfg = _wgmma_config(batch, rows, max_len, _num_sms(q_nope.device))
+    else:
+        cfg = default_config(batch, rows, max_len, latent, layout, q_nope.dtype, _num_sms(q_nope.device), keys_tma,
+                             wgmma)
     cfg.update(config or {})
-    if cfg["TMA"] and "num_stages" not in (config or {}):
+    if cfg["TMA"] and cfg["FORM"] == "keys" and "num_stages" not in (config or {}):
         cfg["num_stages"] = max(2, cfg["num_stages"])  # TMA copies run pipelined (see _check_config)
     _check_config(cfg, config or {})
     if cfg["FORM"] == "keys" and layout != "bf16" and (_dot_width(latent) < 64 or layout == "fp8_ds" and latent > 512):
@@ -388,7 +441,17 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     fp8_scale = scale if layout == "fp8" else None
-    if cfg["FORM"] == "rows":
+    if cfg["FORM"] == "wgmma":
+        need = decode_wgmma.shared_bytes(latent, rope, cfg["num_stages"])
+        if need > decode_wgmma.SHARED_LIMIT:
+            raise ValueError(f"mla_decode config: FORM 'wgmma' with num_stages {cfg['num_stages']} needs {need} B of "
+                             f"shared memory at kv_lora_rank {latent}, over the {decode_wgmma.SHARED_LIMIT} B an SM has")
+        descs = decode_wgmma.cache_descriptors(kv_cache, latent, rope)
+        decode_wgmma._split_wgmma_kernel[grid](
+            q_nope, q_pe, kv_cache, *descs, block_table, seq_lens, part_out, part_lse, *common,
+            S_Q=s_q, H=heads, L=latent, R=rope, PAGE=page_size, MAX_SPLITS=max_splits, DIRECT=direct,
+            STAGES=cfg["num_stages"], num_warps=decode_wgmma.NUM_WARPS)
+    elif cfg["FORM"] == "rows":
         _split_kernel[grid](q_nope, q_pe, kv_cache, block_table, seq_lens, fp8_scale, part_out, part_lse,
                             *common, **meta)
     else:

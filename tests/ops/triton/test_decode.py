@@ -10,7 +10,11 @@ CUDA-graph capture and replay.
 from __future__ import annotations
 
 import importlib
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -207,7 +211,7 @@ def test_keys_major_tma_refusals():
         kernels().mla_decode_with_config(*args, config={"TMA": True})
     with pytest.raises(ValueError, match="TMA needs num_stages >= 2, got 1"):
         kernels().mla_decode_with_config(*args, config={**KEYS_TMA, "num_stages": 1})
-    with pytest.raises(ValueError, match="FORM must be 'rows' or 'keys'"):
+    with pytest.raises(ValueError, match="FORM must be 'rows', 'keys' or 'wgmma'"):
         kernels().mla_decode_with_config(*args, config={"FORM": "cols"})
 
 
@@ -401,3 +405,75 @@ def test_bad_input():
 @pytest.mark.parametrize("kind,s_q", [("bf16", 1), ("fp8_ds", 3)])
 def test_opcheck(kind, s_q):
     helpers.opcheck(triton_decode, decode_args(kind, [3, 0, 9], s_q, 4))
+
+
+# ---------------------------------------------------------------------------------------------
+# the Gluon form (decode_wgmma): Hopper, bf16, more than 32 rows
+
+WGMMA = {"FORM": "wgmma"}
+
+
+@cuda_only
+@pytest.mark.parametrize("config", [WGMMA, {**WGMMA, "MAX_SPLITS": 1}, {**WGMMA, "MAX_SPLITS": 3},
+                                    {**WGMMA, "num_stages": 1}], ids=["default", "direct", "splits3", "one_stage"])
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("heads", [40, 64, 128])
+def test_deepseek_shapes_wgmma(device, heads, s_q, config):
+    """Partial last blocks (2900, 700, 3001, 129 keys), a block of exactly 64, a padding and a
+    one-token request, a -1 page among request 0's whole blocks (its keys read as zeros and
+    masked), a row block with padding rows (40 heads), split boundaries (3 splits)."""
+    args = decode_args("bf16", DS_LENS, s_q, DS_PAGE, heads=heads, latent=DS_L, rope=DS_R, q_dtype=torch.bfloat16)
+    args[3][0, 3] = -1
+    out, lse = check(args, device, config=config, **BF16_TOL)
+    assert_padding(out, lse, DS_LENS, s_q)
+
+
+@pytest.mark.gpu
+def test_wgmma_is_the_default_past_32_rows_on_hopper():
+    """On an sm_90 card the launcher finds nothing against the Gluon form for DeepSeek's bf16
+    cache, and the heuristic then picks it for 64 and 128 rows (not for 32)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon form is sm_90 only")
+    args = on("cuda", decode_args("bf16", [70, 5], 1, DS_PAGE, heads=128, latent=DS_L, rope=DS_R,
+                                  q_dtype=torch.bfloat16))
+    assert kernels().wgmma_blocks(args[0], args[2], "bf16", DS_L, DS_R) is None
+    cfg = kernels().default_config
+    assert cfg(128, 128, 4096, 512, "bf16", torch.bfloat16, 132, wgmma=True)["FORM"] == "wgmma"
+    assert cfg(128, 64, 4096, 512, "bf16", torch.bfloat16, 132, wgmma=True)["FORM"] == "wgmma"
+    assert cfg(128, 32, 4096, 512, "bf16", torch.bfloat16, 132, wgmma=True)["FORM"] != "wgmma"
+
+
+def test_wgmma_config_is_checked():
+    """The Gluon form's fixed tile is refused with other sizes, and asked for where it cannot run
+    (here: on CPU) it says why instead of falling back silently."""
+    args = decode_args("bf16-f32", [3, 0], 1, 4)
+    with pytest.raises(ValueError, match="FORM 'wgmma' takes BLOCK_H 64, got 32"):
+        kernels()._check_config({**kernels().default_config(2, 64, 8, L, "bf16", torch.bfloat16, wgmma=True),
+                                 "BLOCK_H": 32}, {"BLOCK_H": 32})
+    with pytest.raises(ValueError, match="FORM 'wgmma' asked for, but"):
+        kernels().mla_decode_with_config(*args, config={"FORM": "wgmma"})
+    wg = kernels().default_config(128, 128, 4096, 512, "bf16", torch.bfloat16, 132, wgmma=True)
+    assert (wg["BLOCK_H"], wg["BLOCK_N"], wg["num_warps"], wg["num_stages"], wg["TMA"]) == (64, 64, 8, 2, True)
+    assert wg["MAX_SPLITS"] == 1  # 256 programs on 132 SMs: two full waves
+
+
+def test_wgmma_kernel_builds_for_sm90():
+    """Compiled for sm_90 offline with this machine's Triton (no GPU needed): Gluon's API moves
+    between Triton releases, so CI builds the kernel it cannot run. Warp-group MMAs only, and
+    the shared memory the launcher budgets (decode_wgmma.shared_bytes) covers what it takes.
+    In a child process: this one runs Triton's interpreter, whose functions Gluon cannot compile."""
+    decode_wgmma = importlib.import_module("mlagraph.ops.triton.decode_wgmma")
+    if not decode_wgmma.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    code = ("import json; from mlagraph.ops.triton import decode_wgmma as d\n"
+            "for s_q, splits in ((1, 2), (2, 1)):\n"
+            "    k = d.compile_for_sm90(s_q=s_q, splits=splits)\n"
+            "    ptx = k.asm['ptx']\n"
+            "    print(json.dumps([ptx.count('wgmma.mma_async'), ptx.count('mma.sync'), k.metadata.shared]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in done.stdout.split("\n")[:2]:
+        wgmma, mma_sync, shared = json.loads(line)
+        assert wgmma > 0 and mma_sync == 0
+        assert 0 < shared <= decode_wgmma.shared_bytes(512, 64, 2) <= decode_wgmma.SHARED_LIMIT

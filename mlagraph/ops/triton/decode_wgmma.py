@@ -1,0 +1,262 @@
+"""Gluon ``mla_decode`` for Hopper (sm_90), the compute-bound row counts (64 query rows a program:
+H=128, or H=64 at s_q 1-2), bf16 caches.
+
+Same math, splits, masks and partial outputs as :mod:`.decode`'s rows-major ``_split_kernel``
+(read its docstring first); the combine kernel is shared. Why another form: in Triton a dot whose
+result feeds another dot gets all its warps along M, so with 64 rows and 8 warps both warp groups
+compute the same q.k scores, and the latent half of the FLOPs runs twice (H=128 on an H100:
+0.34x FlashMLA). Gluon lets the layouts be chosen by hand:
+
+    S   [64 rows, 64 keys] = q [64, L+R] @ k^T    warps [4, 2]: each warp group 32 of the keys
+    P   = exp2(S - m) -> shared memory             (both warp groups read all 64 keys of it)
+    acc [64 rows, L]      += P @ kv [64, L]       warps [4, 2]: each warp group L/2 columns
+
+so every multiply-add runs once. The keys arrive through the copy engine (TMA), STAGES blocks in
+flight: a split's whole 64-key blocks each lie in one page (the launcher asks page_size % 64 == 0
+and pages back to back), a -1 page is put at a negative row (read as zeros, its keys masked). A
+split's last, partial block is gathered with masked loads into the same buffers, 16 keys at a
+time, so keys past the length are zeros in shared memory, never the cache's stale bytes (0
+weight x NaN would be NaN).
+
+Shared memory at L=512, R=64, 2 stages: q 72 KB + 2 x 72 KB keys + 8 KB P = 224 KB: one program
+an SM. Registers: the float32 accumulator is 128 a thread.
+
+Needs Triton's Gluon (``triton.experimental.gluon``, Triton >= 3.5); :data:`AVAILABLE` says
+whether it imported. There is no CPU interpreter for Gluon: on CPU the rows form runs instead.
+"""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    # A CTA-wide barrier: gl.thread_barrier in Triton 3.5-3.6, gl.barrier from 3.7 on.
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # A TMA load into shared memory: tma.async_copy_global_to_shared, renamed async_load later.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    AVAILABLE = True
+except (ImportError, AttributeError):  # an older Triton: the launcher never picks this form
+    AVAILABLE = False
+
+BLOCK_H = 64  # query rows a program: one wgmma M
+BLOCK_N = 64  # keys a block: one TMA box of rows
+GATHER_N = 16  # keys a masked load of the partial block
+NUM_WARPS = 8  # two warp groups
+SHARED_LIMIT = 232448  # bytes of shared memory one CTA may take on sm_90 (227 KB)
+
+
+def shared_bytes(latent: int, rope: int, stages: int) -> int:
+    """Shared memory the kernel takes: q, ``stages`` key blocks, P (bf16), and ~1 KB the compiler
+    adds for its cross-warp reductions (seen: 229904 B at L=512, R=64, 2 stages)."""
+    return 2 * (BLOCK_H * (latent + rope) + stages * BLOCK_N * (latent + rope) + BLOCK_H * BLOCK_N) + 1024
+
+
+def shapes_supported(latent: int, rope: int) -> bool:
+    """Widths this kernel takes: L a power of two in 64..512 (the accumulator's L/2 columns are one
+    wgmma N <= 256), R a power of two in 16..64."""
+    return latent in (64, 128, 256, 512) and rope in (16, 32, 64)
+
+
+if AVAILABLE:
+
+    @gluon.jit
+    def _split_wgmma_kernel(
+        q_nope, q_pe, cache, lat_desc, pe_desc, block_table, seq_lens, out, lse,
+        qk_scale,  # softmax_scale * log2(e)
+        stride_qn_b, stride_qn_s, stride_qn_h, stride_qp_b, stride_qp_s, stride_qp_h,
+        stride_c_page, stride_c_tok, stride_bt_b, stride_bt_p, stride_sl,
+        stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split,
+        MAX_LEN,
+        S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr,
+        MAX_SPLITS: gl.constexpr, DIRECT: gl.constexpr, STAGES: gl.constexpr,
+    ):
+        BH: gl.constexpr = 64
+        BN: gl.constexpr = 64
+        GN: gl.constexpr = 16
+        row_block = gl.program_id(0)
+        split = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
+
+        # Layouts. Scores and accumulator: wgmma results, 4 warps down the 64 rows, the two warp
+        # groups side by side (keys for S, latent columns for acc). Loads: 8 bf16 (16 B) a thread.
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16])
+        LD_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[8, 1],
+                                              order=[1, 0])
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+        ROW_LD: gl.constexpr = gl.SliceLayout(1, LD_L)
+        COL_LD: gl.constexpr = gl.SliceLayout(0, LD_L)
+        P_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+        # This split's keys [lo, hi): the request's BN blocks cut into MAX_SPLITS equal runs.
+        seq_len = gl.load(seq_lens + b * stride_sl)
+        kv_len = gl.minimum(gl.maximum(seq_len, 0), MAX_LEN)
+        per_split = ((kv_len + BN - 1) // BN + MAX_SPLITS - 1) // MAX_SPLITS * BN
+        lo = split * per_split
+        hi = gl.minimum(lo + per_split, kv_len)
+        n_blocks = gl.maximum(hi - lo + BN - 1, 0) // BN
+        n_full = gl.maximum(hi - lo, 0) // BN
+        bt_row = block_table + b * stride_bt_b
+
+        # Queries -> shared memory (row r: query r // H, head r % H; rows past S_Q * H are zeros).
+        rows_ld = row_block * BH + gl.arange(0, BH, layout=ROW_LD)
+        ok_ld = rows_ld < S_Q * H
+        q_off = (rows_ld // H) * stride_qn_s + (rows_ld % H) * stride_qn_h
+        cols_l = gl.arange(0, L, layout=COL_LD)
+        qn = gl.load(q_nope + b * stride_qn_b + q_off[:, None] + cols_l[None, :], mask=ok_ld[:, None], other=0.0)
+        q_lat = gl.allocate_shared_memory(gl.bfloat16, [BH, L], lat_desc.layout, qn.to(gl.bfloat16))
+        qp_off = (rows_ld // H) * stride_qp_s + (rows_ld % H) * stride_qp_h
+        cols_r = gl.arange(0, R, layout=COL_LD)
+        qp = gl.load(q_pe + b * stride_qp_b + qp_off[:, None] + cols_r[None, :], mask=ok_ld[:, None], other=0.0)
+        q_rope = gl.allocate_shared_memory(gl.bfloat16, [BH, R], pe_desc.layout, qp.to(gl.bfloat16))
+
+        k_lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, L], lat_desc.layout)
+        k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, R], pe_desc.layout)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], P_SL)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        fence_async_shared()
+        _cta_barrier()
+
+        # Whole blocks in flight before the loop.
+        for i in gl.static_range(STAGES):
+            if i < n_full:
+                _issue_block(lat_desc, pe_desc, bt_row, stride_bt_p, lo + i * BN, ready.index(i), k_lat.index(i),
+                             k_rope.index(i), L, PAGE)
+
+        rows_s = row_block * BH + gl.arange(0, BH, layout=ROW_S)
+        limit = seq_len - S_Q + rows_s // H  # each row's causal limit
+        keys_s = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+        m_i = gl.full([BH], float("-inf"), gl.float32, layout=ROW_S)
+        l_i = gl.zeros([BH], gl.float32, layout=ROW_S)
+        acc = gl.zeros([BH, L], gl.float32, layout=O_L)
+        s_zero = gl.zeros([BH, BN], gl.float32, layout=S_L)
+        for j in range(0, n_blocks):
+            stage = j % STAGES
+            start = lo + j * BN
+            page_ok = True
+            if j < n_full:
+                page = gl.load(bt_row + (start // PAGE) * stride_bt_p)
+                page_ok = page >= 0
+                mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+            else:
+                _gather_block(cache, bt_row, stride_bt_p, stride_c_page, stride_c_tok, start, hi,
+                              k_lat.index(stage), k_rope.index(stage), L, R, PAGE, GN, BN, LD_L)
+                fence_async_shared()
+                _cta_barrier()
+            kl = k_lat.index(stage)
+            s = warpgroup_mma(q_lat, kl.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_rope, k_rope.index(stage).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+            pos = start + keys_s
+            visible = (pos[None, :] <= limit[:, None]) & (pos < hi)[None, :] & page_ok
+            s = gl.where(visible, s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+
+            p_smem.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            _cta_barrier()  # all of P written before either warp group reads it
+            acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+            acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _cta_barrier()  # both warp groups done with P and this stage: refill it
+            if j + STAGES < n_full:
+                _issue_block(lat_desc, pe_desc, bt_row, stride_bt_p, start + STAGES * BN, ready.index(stage), kl,
+                             k_rope.index(stage), L, PAGE)
+
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+
+        # out = acc / l (natural-log lse); a row that saw no key: out 0, lse -inf.
+        has_key = l_i > 0.0
+        l_safe = gl.where(has_key, l_i, 1.0)
+        row_lse = gl.where(has_key, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        o = acc * gl.convert_layout(1.0 / l_safe, ROW_O)[:, None]
+        rows_o = row_block * BH + gl.arange(0, BH, layout=ROW_O)
+        cols_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
+        o_ptrs = out + b * stride_o_b + split * stride_o_split + rows_o[:, None] * stride_o_row + cols_o[None, :]
+        row_ok = rows_o < S_Q * H
+        if DIRECT:
+            gl.store(o_ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None])
+        else:  # an empty split leaves its partial out unwritten: the combine never reads it
+            gl.store(o_ptrs, o, mask=(row_ok & (lo < hi))[:, None])
+        gl.store(lse + b * stride_lse_b + split * stride_lse_split + rows_s, row_lse, mask=rows_s < S_Q * H)
+
+    @gluon.jit
+    def _issue_block(lat_desc, pe_desc, bt_row, stride_bt_p, start, bar, lat_buf, rope_buf, L: gl.constexpr,
+                     PAGE: gl.constexpr):
+        """Keys start..start+64 (one page's rows) -> lat_buf, rope_buf through the copy engine;
+        ``bar`` counts the bytes in. A -1 page gives a negative row: zeros."""
+        page = gl.load(bt_row + (start // PAGE) * stride_bt_p)
+        row0 = page * PAGE + start % PAGE
+        mbarrier.expect(bar, lat_desc.block_type.nbytes + pe_desc.block_type.nbytes)
+        _tma_load(lat_desc, [row0, 0], bar, lat_buf)
+        _tma_load(pe_desc, [row0, L], bar, rope_buf)
+
+    @gluon.jit
+    def _gather_block(cache, bt_row, stride_bt_p, stride_c_page, stride_c_tok, start, hi, lat_buf, rope_buf,
+                      L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, GN: gl.constexpr, BN: gl.constexpr,
+                      LD_L: gl.constexpr):
+        """The split's last, partial block -> lat_buf, rope_buf with masked loads, GN keys at a
+        time: keys past ``hi`` or on a -1 page are zeros."""
+        cols_l = gl.arange(0, L, layout=gl.SliceLayout(0, LD_L))
+        cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, LD_L))
+        for c in gl.static_range(BN // GN):
+            pos = start + c * GN + gl.arange(0, GN, layout=gl.SliceLayout(1, LD_L))
+            in_run = pos < hi
+            page = gl.load(bt_row + (pos // PAGE) * stride_bt_p, mask=in_run, other=-1)
+            ok = in_run & (page >= 0)
+            rows = cache + page.to(gl.int64) * stride_c_page + (pos % PAGE) * stride_c_tok
+            lat = gl.load(rows[:, None] + cols_l[None, :], mask=ok[:, None], other=0.0)
+            lat_buf.slice(c * GN, GN, dim=0).store(lat)
+            pe = gl.load(rows[:, None] + L + cols_r[None, :], mask=ok[:, None], other=0.0)
+            rope_buf.slice(c * GN, GN, dim=0).store(pe)
+
+
+def cache_descriptors(kv_cache, latent: int, rope: int):
+    """(latent, rope) Gluon tensor descriptors over a bf16 cache's rows [pages * page_size, W],
+    boxes of 64 rows (the caller checked page_size % 64 == 0 and back-to-back pages)."""
+    rows = kv_cache.reshape(-1, kv_cache.shape[-1])
+    lat_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, latent], gl.bfloat16)
+    pe_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], gl.bfloat16)
+    return (TensorDescriptor.from_tensor(rows, [BLOCK_N, latent], lat_layout),
+            TensorDescriptor.from_tensor(rows, [BLOCK_N, rope], pe_layout))
+
+
+def compile_for_sm90(s_q: int = 1, heads: int = 128, splits: int = 2, stages: int = 2, latent: int = 512,
+                     rope: int = 64, page: int = 64):
+    """The kernel built for sm_90 without a GPU (Triton's compiler and ptxas only): the compiled
+    kernel (``.asm["ptx"]``, ``.metadata.shared``, ...). Pointers and strides are marked
+    16-divisible, as the JIT specialises them at a launch. Not under TRITON_INTERPRET: there the
+    reductions Gluon calls are interpreter functions it cannot compile."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = _split_wgmma_kernel
+    lat = repr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, latent], gl.bfloat16))
+    pe = repr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], gl.bfloat16))
+    types = {"q_nope": "*bf16", "q_pe": "*bf16", "cache": "*bf16", "block_table": "*i32", "seq_lens": "*i32",
+             "out": "*fp32" if splits > 1 else "*bf16", "lse": "*fp32", "qk_scale": "fp32",
+             "lat_desc": f"tensordesc<bf16[{BLOCK_N},{latent}],{lat}>", "pe_desc": f"tensordesc<bf16[{BLOCK_N},{rope}],{pe}>"}
+    consts = dict(S_Q=s_q, H=heads, L=latent, R=rope, PAGE=page, MAX_SPLITS=splits, DIRECT=splits == 1,
+                  STAGES=stages)
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    # the block table's and seq_lens' strides are 1 and stay unmarked
+    div16 = [n for n, t in signature.items()
+             if t.startswith("*") or n == "MAX_LEN" or n.startswith(("stride_q", "stride_c", "stride_o", "stride_lse"))]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    return triton.compile(GluonASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": NUM_WARPS})
