@@ -68,6 +68,37 @@ def _k_step(acc, k0, x_ptr, xs_ptr, s_base, w_base, x_rows, cols, row_ok, col_ok
 
 
 @triton.jit
+def _tile(e, pid_m, pid_n, x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, N, K,
+          stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+          NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          A_FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, W_FP8: tl.constexpr,
+          GATHER_K: tl.constexpr, GUARD: tl.constexpr):
+    """One output tile: M tile pid_m (expert e's rows) x N tile pid_n, the K loop, the store.
+    GUARD: e may be NUM_EXPERTS (no expert) and the caller did not branch on it: rows and
+    columns are masked instead, and the weight pointers stay inside the tensor."""
+    row0 = tl.load(tile_row0_ptr + pid_m)
+    row_end = tl.load(tile_row_end_ptr + pid_m)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < row_end, cols < N
+    if GUARD:  # compared as vectors: the interpreter mis-types a vector & a scalar bool
+        row_ok = row_ok & ((rows * 0 + e) < NUM_EXPERTS)
+        col_ok = col_ok & ((cols * 0 + e) < NUM_EXPERTS)
+        e = tl.minimum(e, NUM_EXPERTS - 1)
+    x_rows = rows
+    if GATHER_K > 0:
+        x_rows = tl.load(order_ptr + rows, mask=row_ok, other=0) // GATHER_K
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = s_ptr + e.to(tl.int64) * stride_se + (cols // 128) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc = _k_step(acc, k0, x_ptr, xs_ptr, s_base, w_base, x_rows, cols, row_ok, col_ok, K, stride_xm,
+                      stride_xs, stride_wn, BLOCK_K, A_FP8, PRECISION, UPCAST, W_FP8)
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _grouped_fp8_kernel(
     x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, N, K,
     stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_om,
@@ -78,22 +109,9 @@ def _grouped_fp8_kernel(
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + pid_m)
     if e < NUM_EXPERTS:
-        row0 = tl.load(tile_row0_ptr + pid_m)
-        row_end = tl.load(tile_row_end_ptr + pid_m)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok, col_ok = rows < row_end, cols < N
-        x_rows = rows
-        if GATHER_K > 0:
-            x_rows = tl.load(order_ptr + rows, mask=row_ok, other=0) // GATHER_K
-        w_base = w_ptr + e.to(tl.int64) * stride_we
-        s_base = s_ptr + e.to(tl.int64) * stride_se + (cols // 128) * stride_sn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            acc = _k_step(acc, k0, x_ptr, xs_ptr, s_base, w_base, x_rows, cols, row_ok, col_ok, K, stride_xm,
-                          stride_xs, stride_wn, BLOCK_K, A_FP8, PRECISION, UPCAST, W_FP8)
-        out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        _tile(e, pid_m, pid_n, x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, N, K,
+              stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_om, NUM_EXPERTS, BLOCK_M,
+              BLOCK_N, BLOCK_K, A_FP8, PRECISION, UPCAST, W_FP8, GATHER_K, GUARD=False)
 
 
 @triton.jit
@@ -120,28 +138,11 @@ def _grouped_persistent_kernel(
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     for item in tl.range(pid, n_real * n_tiles_n, num_programs, flatten=True):
         pid_m = item // n_tiles_n
-        pid_n = item % n_tiles_n
-        e = tl.load(tile_expert_ptr + pid_m)
-        row0 = tl.load(tile_row0_ptr + pid_m)
-        row_end = tl.load(tile_row_end_ptr + pid_m)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         # e < NUM_EXPERTS always holds for a prefix schedule: a guard as masks, not a branch
-        # (compared as vectors: the interpreter mis-types a vector & a scalar bool)
-        row_ok = (rows < row_end) & ((rows * 0 + e) < NUM_EXPERTS)
-        col_ok = (cols < N) & ((cols * 0 + e) < NUM_EXPERTS)
-        x_rows = rows
-        if GATHER_K > 0:
-            x_rows = tl.load(order_ptr + rows, mask=row_ok, other=0) // GATHER_K
-        e_safe = tl.minimum(e, NUM_EXPERTS - 1).to(tl.int64)
-        w_base = w_ptr + e_safe * stride_we
-        s_base = s_ptr + e_safe * stride_se + (cols // 128) * stride_sn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            acc = _k_step(acc, k0, x_ptr, xs_ptr, s_base, w_base, x_rows, cols, row_ok, col_ok, K, stride_xm,
-                          stride_xs, stride_wn, BLOCK_K, A_FP8, PRECISION, UPCAST, W_FP8)
-        out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        e = tl.load(tile_expert_ptr + pid_m)
+        _tile(e, pid_m, item % n_tiles_n, x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, tile_row0_ptr, tile_row_end_ptr,
+              order_ptr, N, K, stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+              NUM_EXPERTS, BLOCK_M, BLOCK_N, BLOCK_K, A_FP8, PRECISION, UPCAST, W_FP8, GATHER_K, GUARD=True)
 
 
 def tile_schedule(offs: torch.Tensor, num_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
