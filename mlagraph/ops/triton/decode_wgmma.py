@@ -37,6 +37,21 @@ try:
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     # A TMA load into shared memory: tma.async_copy_global_to_shared, renamed async_load later.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+    @gluon.constexpr_function
+    def shared_layout(cols):
+        """The NVMMA shared layout of a [64, cols] bf16 tile (the widest swizzle its rows take):
+        what TMA writes and wgmma reads."""
+        return gl.NVMMASharedLayout.get_default_for([BLOCK_N, cols], gl.bfloat16)
+
+    @gluon.constexpr_function
+    def gather_layout(cols):
+        """Registers of a [rows, cols] bf16 tile loaded from rows of memory: 16 bytes a thread, a
+        warp across 256 columns (or 4 rows of 64), so 32 rows x 512 or x 64 is split over 8 warps
+        with nothing loaded twice."""
+        tpw = [1, 32] if cols >= 256 else [256 // cols, cols // 8]
+        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=tpw, warps_per_cta=[NUM_WARPS, 1],
+                                order=[1, 0])
     AVAILABLE = True
 except (ImportError, AttributeError):  # an older Triton: the launcher never picks this form
     AVAILABLE = False
@@ -75,7 +90,7 @@ if AVAILABLE:
     ):
         BH: gl.constexpr = 64
         BN: gl.constexpr = 64
-        GN: gl.constexpr = 16
+        GN: gl.constexpr = 32
         row_block = gl.program_id(0)
         split = gl.program_id(1)
         b = gl.program_id(2).to(gl.int64)
@@ -84,12 +99,8 @@ if AVAILABLE:
         # groups side by side (keys for S, latent columns for acc). Loads: 8 bf16 (16 B) a thread.
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16])
-        LD_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[8, 1],
-                                              order=[1, 0])
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
-        ROW_LD: gl.constexpr = gl.SliceLayout(1, LD_L)
-        COL_LD: gl.constexpr = gl.SliceLayout(0, LD_L)
         P_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
         # This split's keys [lo, hi): the request's BN blocks cut into MAX_SPLITS equal runs.
@@ -103,16 +114,14 @@ if AVAILABLE:
         bt_row = block_table + b * stride_bt_b
 
         # Queries -> shared memory (row r: query r // H, head r % H; rows past S_Q * H are zeros).
-        rows_ld = row_block * BH + gl.arange(0, BH, layout=ROW_LD)
-        ok_ld = rows_ld < S_Q * H
-        q_off = (rows_ld // H) * stride_qn_s + (rows_ld % H) * stride_qn_h
-        cols_l = gl.arange(0, L, layout=COL_LD)
-        qn = gl.load(q_nope + b * stride_qn_b + q_off[:, None] + cols_l[None, :], mask=ok_ld[:, None], other=0.0)
-        q_lat = gl.allocate_shared_memory(gl.bfloat16, [BH, L], lat_desc.layout, qn.to(gl.bfloat16))
-        qp_off = (rows_ld // H) * stride_qp_s + (rows_ld % H) * stride_qp_h
-        cols_r = gl.arange(0, R, layout=COL_LD)
-        qp = gl.load(q_pe + b * stride_qp_b + qp_off[:, None] + cols_r[None, :], mask=ok_ld[:, None], other=0.0)
-        q_rope = gl.allocate_shared_memory(gl.bfloat16, [BH, R], pe_desc.layout, qp.to(gl.bfloat16))
+        rows_l = row_block * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, gather_layout(L)))
+        rows_r = row_block * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, gather_layout(R)))
+        q_lat = gl.allocate_shared_memory(gl.bfloat16, [BH, L], lat_desc.layout)
+        q_rope = gl.allocate_shared_memory(gl.bfloat16, [BH, R], pe_desc.layout)
+        _rows_to_shared(q_nope + b * stride_qn_b + (rows_l // H) * stride_qn_s + (rows_l % H) * stride_qn_h,
+                        rows_l < S_Q * H, q_lat, L)
+        _rows_to_shared(q_pe + b * stride_qp_b + (rows_r // H) * stride_qp_s + (rows_r % H) * stride_qp_h,
+                        rows_r < S_Q * H, q_rope, R)
 
         k_lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, L], lat_desc.layout)
         k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, R], pe_desc.layout)
@@ -139,42 +148,21 @@ if AVAILABLE:
         for j in range(0, n_blocks):
             stage = j % STAGES
             start = lo + j * BN
-            page_ok = True
+            page = gl.load(bt_row + (start // PAGE) * stride_bt_p)  # a block lies in one page
             if j < n_full:
-                page = gl.load(bt_row + (start // PAGE) * stride_bt_p)
-                page_ok = page >= 0
                 mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
             else:
                 _gather_block(cache, bt_row, stride_bt_p, stride_c_page, stride_c_tok, start, hi,
-                              k_lat.index(stage), k_rope.index(stage), L, R, PAGE, GN, BN, LD_L)
+                              k_lat.index(stage), k_rope.index(stage), L, R, PAGE, GN, BN)
                 fence_async_shared()
                 _cta_barrier()
-            kl = k_lat.index(stage)
-            s = warpgroup_mma(q_lat, kl.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_rope, k_rope.index(stage).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-
             pos = start + keys_s
-            visible = (pos[None, :] <= limit[:, None]) & (pos < hi)[None, :] & page_ok
-            s = gl.where(visible, s * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-
-            p_smem.store(p.to(gl.bfloat16))
-            fence_async_shared()
-            _cta_barrier()  # all of P written before either warp group reads it
-            acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
-            acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _cta_barrier()  # both warp groups done with P and this stage: refill it
+            visible = (pos[None, :] <= limit[:, None]) & (pos < hi)[None, :] & (page >= 0)
+            m_i, l_i, acc = _attend_block(q_lat, q_rope, k_lat.index(stage), k_rope.index(stage), p_smem, s_zero,
+                                          visible, qk_scale, m_i, l_i, acc, ROW_O)
             if j + STAGES < n_full:
-                _issue_block(lat_desc, pe_desc, bt_row, stride_bt_p, start + STAGES * BN, ready.index(stage), kl,
-                             k_rope.index(stage), L, PAGE)
+                _issue_block(lat_desc, pe_desc, bt_row, stride_bt_p, start + STAGES * BN, ready.index(stage),
+                             k_lat.index(stage), k_rope.index(stage), L, PAGE)
 
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
@@ -195,6 +183,33 @@ if AVAILABLE:
         gl.store(lse + b * stride_lse_b + split * stride_lse_split + rows_s, row_lse, mask=rows_s < S_Q * H)
 
     @gluon.jit
+    def _attend_block(q_lat, q_rope, kl, kr, p_smem, s_zero, visible, qk_scale, m_i, l_i, acc, ROW_O: gl.constexpr):
+        """One block of 64 keys (kl [64, L], kr [64, R] in shared memory) into the online softmax
+        (base 2) of 64 rows: S in the layout of s_zero (the warp groups split the keys), P
+        through p_smem, acc [64, L] (the warp groups split the columns). ``visible`` [64, 64]
+        masks scores; masked keys must be finite in shared memory (0 weight x NaN is NaN).
+        Returns (m, l, acc); on return both warp groups are done with kl, kr and p_smem."""
+        s = warpgroup_mma(q_lat, kl.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = gl.where(visible, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        _cta_barrier()  # all of P written before either warp group reads it
+        acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+        acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _cta_barrier()  # both warp groups done with P and these keys: the caller may refill them
+        return m_new, l_i, acc
+
+    @gluon.jit
     def _issue_block(lat_desc, pe_desc, bt_row, stride_bt_p, start, bar, lat_buf, rope_buf, L: gl.constexpr,
                      PAGE: gl.constexpr):
         """Keys start..start+64 (one page's rows) -> lat_buf, rope_buf through the copy engine;
@@ -206,23 +221,34 @@ if AVAILABLE:
         _tma_load(pe_desc, [row0, L], bar, rope_buf)
 
     @gluon.jit
+    def _rows_to_shared(row_ptrs, ok, buf, COLS: gl.constexpr):
+        """row_ptrs [n] (layout: rows of gather_layout(COLS)) -> buf [n, COLS] in shared memory,
+        each row's first COLS values; rows not ``ok`` are zeros."""
+        cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, gather_layout(COLS)))
+        x = gl.load(row_ptrs[:, None] + cols[None, :], mask=ok[:, None], other=0.0)
+        buf.store(x.to(gl.bfloat16))
+
+    @gluon.jit
     def _gather_block(cache, bt_row, stride_bt_p, stride_c_page, stride_c_tok, start, hi, lat_buf, rope_buf,
-                      L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, GN: gl.constexpr, BN: gl.constexpr,
-                      LD_L: gl.constexpr):
+                      L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, GN: gl.constexpr, BN: gl.constexpr):
         """The split's last, partial block -> lat_buf, rope_buf with masked loads, GN keys at a
         time: keys past ``hi`` or on a -1 page are zeros."""
-        cols_l = gl.arange(0, L, layout=gl.SliceLayout(0, LD_L))
-        cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, LD_L))
         for c in gl.static_range(BN // GN):
-            pos = start + c * GN + gl.arange(0, GN, layout=gl.SliceLayout(1, LD_L))
-            in_run = pos < hi
-            page = gl.load(bt_row + (pos // PAGE) * stride_bt_p, mask=in_run, other=-1)
-            ok = in_run & (page >= 0)
-            rows = cache + page.to(gl.int64) * stride_c_page + (pos % PAGE) * stride_c_tok
-            lat = gl.load(rows[:, None] + cols_l[None, :], mask=ok[:, None], other=0.0)
-            lat_buf.slice(c * GN, GN, dim=0).store(lat)
-            pe = gl.load(rows[:, None] + L + cols_r[None, :], mask=ok[:, None], other=0.0)
-            rope_buf.slice(c * GN, GN, dim=0).store(pe)
+            _gather_rows(cache, bt_row, stride_bt_p, stride_c_page, stride_c_tok, start + c * GN, hi,
+                         lat_buf.slice(c * GN, GN, dim=0), 0, L, PAGE, GN)
+            _gather_rows(cache, bt_row, stride_bt_p, stride_c_page, stride_c_tok, start + c * GN, hi,
+                         rope_buf.slice(c * GN, GN, dim=0), L, R, PAGE, GN)
+
+    @gluon.jit
+    def _gather_rows(cache, bt_row, stride_bt_p, stride_c_page, stride_c_tok, start, hi, buf, COL0: gl.constexpr,
+                     COLS: gl.constexpr, PAGE: gl.constexpr, GN: gl.constexpr):
+        """Columns COL0..COL0+COLS of the cache rows of keys start..start+GN -> buf [GN, COLS];
+        keys past ``hi`` or on a -1 page are zeros."""
+        pos = start + gl.arange(0, GN, layout=gl.SliceLayout(1, gather_layout(COLS)))
+        in_run = pos < hi
+        page = gl.load(bt_row + (pos // PAGE) * stride_bt_p, mask=in_run, other=-1)
+        rows = cache + page.to(gl.int64) * stride_c_page + (pos % PAGE) * stride_c_tok + COL0
+        _rows_to_shared(rows, in_run & (page >= 0), buf, COLS)
 
 
 def cache_descriptors(kv_cache, latent: int, rope: int):
