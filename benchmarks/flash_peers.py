@@ -95,6 +95,7 @@ def _available(name):
 def bench_flash(rows, args, g):
     from kernels import KEYS_SWEEP, Runner, paged_cache, rel_err, sweep  # benchmarks/kernels.py (the caller)
     from mlagraph.ops.triton import decode as triton_decode
+    from mlagraph.ops.triton import sparse as triton_sparse
 
     fm, fm_why = _available("flashmla")
     fi, fi_why = _available("flashinfer")
@@ -189,6 +190,9 @@ def bench_flash(rows, args, g):
         triton_op = lambda: torch.ops.mlagraph_triton.sparse_mla(*args_)  # noqa: E731
         ours = _in_step(lambda: fm.op("sparse_mla")(*args_), host_plan.Step())
         run.run("triton", triton_op, check, graph_fns=[triton_op] if graphed else None)
+        if layout == "bf16":  # the Gluon form (sparse_wgmma) reads bf16 caches
+            sweep(run, lambda config: triton_sparse.sparse_mla(*args_, config=config), check,
+                  [{"FORM": "wgmma"}, {"FORM": "wgmma", "num_stages": 1}], graphs=graphed)
         run.run("flashmla backend", ours, check, graph_fns=[ours] if graphed else None)
 
         def raw_sparse():

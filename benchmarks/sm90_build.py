@@ -64,7 +64,16 @@ def build_wgmma(args):
     return decode_wgmma.compile_for_sm90(args.s_q, args.heads, args.splits, args.stages)
 
 
+def build_sparse_wgmma(args):
+    """The Gluon sparse MLA kernel (mlagraph/ops/triton/sparse_wgmma.py): bf16 cache, 64 heads a program."""
+    from mlagraph.ops.triton import sparse_wgmma
+
+    return sparse_wgmma.compile_for_sm90(args.stages)
+
+
 def build(args):
+    if args.form == "sparse-wgmma":
+        return build_sparse_wgmma(args)
     if args.form == "grouped":
         return build_grouped(args)
     if args.form == "wgmma":
@@ -134,7 +143,7 @@ def report(kernel) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--form", choices=["rows", "keys", "grouped", "wgmma"], default="keys")
+    p.add_argument("--form", choices=["rows", "keys", "grouped", "wgmma", "sparse-wgmma"], default="keys")
     p.add_argument("--tma", action="store_true", help="keys form: whole blocks through tensor descriptors")
     p.add_argument("--layout", choices=["bf16", "fp8", "fp8_ds"], default="bf16")
     p.add_argument("--heads", type=int, default=16)

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ..layouts import DS_GROUP
 from ._fp8 import from_fp8_bits
+from . import decode_wgmma, sparse_wgmma
 from ._hardware import interpreted
 from ._launch import check_runnable
 from ._tl import dot as _dot
@@ -162,10 +163,28 @@ def sparse_config(q_nope: torch.Tensor) -> dict:
     return {"BLOCK_H": block_h, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
+def wgmma_blocks(q_nope: torch.Tensor, kv_cache: torch.Tensor, layout: str) -> str | None:
+    """Why the Gluon form (:mod:`.sparse_wgmma`) cannot run this call (None: it can)."""
+    if not sparse_wgmma.AVAILABLE:
+        return "this Triton has no Gluon (triton.experimental.gluon)"
+    if q_nope.device.type != "cuda" or torch.cuda.get_device_capability(q_nope.device) != (9, 0):
+        return "it needs a Hopper GPU (sm_90: warp-group MMA)"
+    if layout != "bf16" or q_nope.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
+        return f"it reads bf16 caches with bf16 queries, got layout {layout!r}, q {q_nope.dtype}"
+    latent, rope = q_nope.shape[-1], kv_cache.shape[-1] - q_nope.shape[-1]
+    if not decode_wgmma.shapes_supported(latent, rope):
+        return f"kv_lora_rank {latent} / rope dim {rope}: it takes 64..512 / 16..64, powers of two"
+    if kv_cache.data_ptr() % 16 or kv_cache.stride(1) % 8 or kv_cache.stride(0) % 8:
+        return "cache rows are not 16-byte aligned (its copies move 16 bytes)"
+    return None
+
+
 def sparse_mla(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale, layout, softmax_scale,
                config: dict | None = None):
     """Same arguments and results as ``torch.ops.mlagraph.sparse_mla`` (checked by the caller);
-    ``config`` overrides :func:`sparse_config` (keys BLOCK_H, BLOCK_N, num_warps, num_stages)."""
+    ``config`` overrides :func:`sparse_config` (keys BLOCK_H, BLOCK_N, num_warps, num_stages, and
+    FORM: "rows" for the Triton kernel here, "wgmma" for the Gluon one, :mod:`.sparse_wgmma`,
+    which takes num_stages 1 or 2 and nothing else)."""
     check_runnable("sparse_mla", _sparse_mla_kernel, q_nope)
     num_tokens, num_heads, latent = q_nope.shape
     rope = q_pe.shape[2]
@@ -181,6 +200,11 @@ def sparse_mla(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale
         kv_cache = kv_cache.view(torch.uint8)
     cfg = {**sparse_config(q_nope), **(config or {})}
     page_size = kv_cache.shape[1]
+    if cfg.get("FORM", "rows") == "wgmma":
+        return _sparse_wgmma(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, layout, softmax_scale,
+                             config or {}, out, lse)
+    if cfg.get("FORM", "rows") != "rows":
+        raise ValueError(f"sparse_mla config: FORM must be 'rows' or 'wgmma', got {cfg['FORM']!r}")
     grid = (num_tokens * triton.cdiv(num_heads, cfg["BLOCK_H"]),)
     _sparse_mla_kernel[grid](
         q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table,
@@ -194,5 +218,33 @@ def sparse_mla(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale
         BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], PRECISION="ieee" if q_nope.dtype == torch.float32 else "tf32",
         UPCAST=interpreted(_sparse_mla_kernel),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out, lse
+
+
+def _sparse_wgmma(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, layout, softmax_scale, config, out, lse):
+    """The Gluon form's launch (:mod:`.sparse_wgmma`): refused, with the reason, where it cannot run."""
+    why = wgmma_blocks(q_nope, kv_cache, layout)
+    if why is not None:
+        raise ValueError(f"sparse_mla config: FORM 'wgmma' asked for, but {why}")
+    unknown = set(config) - {"FORM", "num_stages"}
+    if unknown:
+        raise ValueError(f"sparse_mla config: FORM 'wgmma' takes only num_stages, got {sorted(unknown)}")
+    stages = config.get("num_stages", 2)
+    latent, rope = q_nope.shape[-1], q_pe.shape[-1]
+    need = decode_wgmma.shared_bytes(latent, rope, stages)
+    if stages < 1 or need > decode_wgmma.SHARED_LIMIT:
+        raise ValueError(f"sparse_mla config: FORM 'wgmma' needs num_stages >= 1 within {decode_wgmma.SHARED_LIMIT} B "
+                         f"of shared memory, got {stages} ({need} B at kv_lora_rank {latent})")
+    num_tokens, num_heads = q_nope.shape[:2]
+    page_size = kv_cache.shape[1]
+    grid = (num_tokens * triton.cdiv(num_heads, sparse_wgmma.BLOCK_H),)
+    sparse_wgmma._sparse_wgmma_kernel[grid](
+        q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, out, lse,
+        num_heads, block_table.shape[0], topk_indices.shape[1], block_table.shape[1] * page_size,
+        softmax_scale * LOG2E,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        topk_indices.stride(0), block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+        L=latent, R=rope, PAGE=page_size, STAGES=stages, num_warps=sparse_wgmma.NUM_WARPS,
     )
     return out, lse

@@ -11,8 +11,12 @@ a CUDA-graph capture and replay.
 from __future__ import annotations
 
 import importlib
+import json
 import math
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -223,6 +227,50 @@ def test_deepseek_shapes(device, kind, heads, k):
 @GPU_ONLY
 def test_deepseek_shapes_other_configs(device, config):
     check(ds_args("bf16", 128, 2048), device, config=config, tol=2e-2, ref_device=device)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("k", [37, 256, 2048])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+@GPU_ONLY
+def test_deepseek_shapes_wgmma(device, heads, k, stages):
+    """The Gluon form (sparse_wgmma) on Hopper: -1 indices among the selected keys, a token that
+    selects nothing, a top-k that is not a multiple of 64 (37: one partial block), 16 heads padded
+    into the 64-row tile."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon form is sm_90 only")
+    out, lse = check(ds_args("bf16", heads, k), device, config={"FORM": "wgmma", "num_stages": stages}, tol=2e-2,
+                     ref_device=device)
+    assert_empty(out, lse, tokens=(len(DS_LENS) - 1,))
+
+
+def test_wgmma_form_is_checked():
+    """Asked for where it cannot run (here: on CPU), the Gluon form says why; other keys with it
+    are refused."""
+    args = sparse_args("bf16", q_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="FORM 'wgmma' asked for, but it needs a Hopper GPU"):
+        kernels().sparse_mla(*args, config={"FORM": "wgmma"})
+    with pytest.raises(ValueError, match="FORM must be 'rows' or 'wgmma'"):
+        kernels().sparse_mla(*args, config={"FORM": "cols"})
+
+
+def test_wgmma_kernel_builds_for_sm90():
+    """Built for sm_90 offline with this machine's Triton, in a child process (see the decode
+    twin in test_decode.py): asynchronous copies and warp-group MMAs, nothing else."""
+    sparse_wgmma = importlib.import_module("mlagraph.ops.triton.sparse_wgmma")
+    if not sparse_wgmma.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    code = ("import json; from mlagraph.ops.triton import sparse_wgmma as s, decode_wgmma as d\n"
+            "k = s.compile_for_sm90()\n"
+            "ptx = k.asm['ptx']\n"
+            "print(json.dumps([ptx.count('wgmma.mma_async'), ptx.count('cp.async'), ptx.count('mma.sync'),"
+            " k.metadata.shared, d.shared_bytes(512, 64, 2)]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    wgmma, cp_async, mma_sync, shared, budget = json.loads(done.stdout.strip().split("\n")[-1])
+    assert wgmma > 0 and cp_async > 0 and mma_sync == 0
+    assert 0 < shared <= budget
 
 
 @GPU_ONLY

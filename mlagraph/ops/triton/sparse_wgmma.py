@@ -1,0 +1,158 @@
+"""Gluon ``sparse_mla`` for Hopper (sm_90): bf16 caches, 64 heads a program.
+
+Same math, masks and outputs as :mod:`.sparse` (read its docstring first), and the same block
+step as the dense Gluon decode (:func:`.decode_wgmma._attend_block`: the two warp groups split a
+block's 64 keys for the scores and the 512 output columns for P @ kv, so no multiply-add runs
+twice). What differs is where the keys come from: a token's selected positions, each through the
+block table to its own cache row, so a block of 64 keys is 64 scattered rows. Hopper's copy
+engine cannot gather rows, so they arrive by asynchronous copies (cp.async, 16 bytes a thread),
+STAGES - 1 blocks ahead of the one being scored; a -1 index, a position past the table or a -1
+page is a masked copy, which writes zeros (never the cache's stale bytes), and its score is
+masked out.
+
+Grid: one program per (token, block of 64 heads), the head block fastest, so the two programs of
+a token at H=128 run side by side and the second reads the rows from L2. Shared memory at L=512,
+R=64, 2 stages: q 72 KB + 2 x 72 KB keys + 8 KB P = 224 KB, one program an SM.
+"""
+
+from __future__ import annotations
+
+from . import decode_wgmma
+
+AVAILABLE = decode_wgmma.AVAILABLE
+BLOCK_H = decode_wgmma.BLOCK_H
+NUM_WARPS = decode_wgmma.NUM_WARPS
+
+if AVAILABLE:
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    from .decode_wgmma import (_attend_block, _cta_barrier, _rows_to_shared, fence_async_shared, gather_layout, gl,
+                               gluon, shared_layout)
+
+    # cp.async into shared memory: async_copy.async_copy_global_to_shared, renamed async_load later.
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+    @gluon.jit
+    def _sparse_wgmma_kernel(
+        qn_ptr, qp_ptr, cache_ptr, topk_ptr, req_ptr, bt_ptr, out_ptr, lse_ptr,
+        num_heads, num_reqs, topk, max_len, qk_scale,  # qk_scale: softmax_scale * log2(e)
+        stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_cp, stride_cs, stride_kt, stride_bt,
+        stride_ot, stride_oh, stride_lt,
+        L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+    ):
+        BH: gl.constexpr = 64
+        BN: gl.constexpr = 64
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16])
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+
+        head_blocks = (num_heads + BH - 1) // BH
+        pid = gl.program_id(0)
+        tok = (pid // head_blocks).to(gl.int64)
+        head0 = (pid % head_blocks) * BH
+
+        heads_l = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, gather_layout(L)))
+        heads_r = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, gather_layout(R)))
+        q_lat = gl.allocate_shared_memory(gl.bfloat16, [BH, L], shared_layout(L))
+        q_rope = gl.allocate_shared_memory(gl.bfloat16, [BH, R], shared_layout(R))
+        _rows_to_shared(qn_ptr + tok * stride_qnt + heads_l * stride_qnh, heads_l < num_heads, q_lat, L)
+        _rows_to_shared(qp_ptr + tok * stride_qpt + heads_r * stride_qph, heads_r < num_heads, q_rope, R)
+        k_lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, L], shared_layout(L))
+        k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, R], shared_layout(R))
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], shared_layout(BN))
+
+        req = gl.load(req_ptr + tok)
+        req = gl.where(req < 0, req + num_reqs, req)  # as the reference's torch indexing reads it
+        bt_row = bt_ptr + req.to(gl.int64) * stride_bt
+        topk_row = topk_ptr + tok * stride_kt
+        n_blocks = (topk + BN - 1) // BN
+
+        # STAGES - 1 blocks in flight before the loop, one commit group each (empty past the end).
+        for i in gl.static_range(STAGES - 1):
+            if i < n_blocks:
+                _gather_async(cache_ptr, topk_row, bt_row, i * BN, topk, max_len, stride_cp, stride_cs,
+                              k_lat.index(i), k_rope.index(i), L, R, PAGE, BN)
+            async_copy.commit_group()
+
+        keys_s = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+        m_i = gl.full([BH], float("-inf"), gl.float32, layout=ROW_S)
+        l_i = gl.zeros([BH], gl.float32, layout=ROW_S)
+        acc = gl.zeros([BH, L], gl.float32, layout=O_L)
+        s_zero = gl.zeros([BH, BN], gl.float32, layout=S_L)
+        for j in range(0, n_blocks):
+            # Refill the stage block j - 1 used (every warp finished with it in _attend_block).
+            ahead = j + STAGES - 1
+            if ahead < n_blocks:
+                _gather_async(cache_ptr, topk_row, bt_row, ahead * BN, topk, max_len, stride_cp, stride_cs,
+                              k_lat.index(ahead % STAGES), k_rope.index(ahead % STAGES), L, R, PAGE, BN)
+            async_copy.commit_group()
+            async_copy.wait_group(STAGES - 1)  # this thread's copies of block j have landed
+            fence_async_shared()  # ... and are visible to the tensor cores' reads
+            _cta_barrier()  # every thread's copies, not only this one's
+
+            offs = j * BN + keys_s
+            pos = gl.load(topk_row + offs, mask=offs < topk, other=-1)
+            in_table = (pos >= 0) & (pos < max_len)
+            page = gl.load(bt_row + pos // PAGE, mask=in_table, other=-1)
+            visible = (in_table & (page >= 0))[None, :]
+            stage = j % STAGES
+            m_i, l_i, acc = _attend_block(q_lat, q_rope, k_lat.index(stage), k_rope.index(stage), p_smem, s_zero,
+                                          visible, qk_scale, m_i, l_i, acc, ROW_O)
+        async_copy.wait_group(0)
+
+        # out = acc / l; lse in natural log; a head that saw no key: out 0, lse -inf.
+        has_key = l_i > 0.0
+        l_safe = gl.where(has_key, l_i, 1.0)
+        lse = gl.where(has_key, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        o = acc * gl.convert_layout(1.0 / l_safe, ROW_O)[:, None]
+        heads_o = head0 + gl.arange(0, BH, layout=ROW_O)
+        cols_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
+        o_ptrs = out_ptr + tok * stride_ot + heads_o[:, None] * stride_oh + cols_o[None, :]
+        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=(heads_o < num_heads)[:, None])
+        heads_s = head0 + gl.arange(0, BH, layout=ROW_S)
+        gl.store(lse_ptr + tok * stride_lt + heads_s, lse, mask=heads_s < num_heads)
+
+    @gluon.jit
+    def _gather_async(cache_ptr, topk_row, bt_row, start, topk, max_len, stride_cp, stride_cs, lat_buf, rope_buf,
+                      L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr):
+        """Asynchronous copies of the rows of selected keys start..start+BN -> lat_buf [BN, L],
+        rope_buf [BN, R], 32 keys at a time (registers for the addresses stay few)."""
+        GN: gl.constexpr = 32
+        for c in gl.static_range(BN // GN):
+            _copy_rows_async(cache_ptr, topk_row, bt_row, start + c * GN, topk, max_len, stride_cp, stride_cs,
+                             lat_buf.slice(c * GN, GN, dim=0), 0, L, PAGE, GN)
+            _copy_rows_async(cache_ptr, topk_row, bt_row, start + c * GN, topk, max_len, stride_cp, stride_cs,
+                             rope_buf.slice(c * GN, GN, dim=0), L, R, PAGE, GN)
+
+    @gluon.jit
+    def _copy_rows_async(cache_ptr, topk_row, bt_row, start, topk, max_len, stride_cp, stride_cs, buf,
+                         COL0: gl.constexpr, COLS: gl.constexpr, PAGE: gl.constexpr, GN: gl.constexpr):
+        """Columns COL0..COL0+COLS of the rows of selected keys start..start+GN -> buf [GN, COLS];
+        a key with no row (-1 index, past the table, -1 page) is a masked copy: zeros."""
+        layout: gl.constexpr = gather_layout(COLS)
+        offs = start + gl.arange(0, GN, layout=gl.SliceLayout(1, layout))
+        pos = gl.load(topk_row + offs, mask=offs < topk, other=-1)
+        in_table = (pos >= 0) & (pos < max_len)
+        page = gl.load(bt_row + pos // PAGE, mask=in_table, other=-1)
+        rows = cache_ptr + page.to(gl.int64) * stride_cp + (pos % PAGE) * stride_cs + COL0
+        cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        _cp_async(buf, rows[:, None] + cols[None, :], mask=(in_table & (page >= 0))[:, None])
+
+
+def compile_for_sm90(stages: int = 2, latent: int = 512, rope: int = 64, page: int = 64):
+    """The kernel built for sm_90 without a GPU (see :func:`.decode_wgmma.compile_for_sm90`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = _sparse_wgmma_kernel
+    types = {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "cache_ptr": "*bf16", "topk_ptr": "*i32", "req_ptr": "*i32",
+             "bt_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    consts = dict(L=latent, R=rope, PAGE=page, STAGES=stages)
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    div16 = [n for n, t in signature.items() if t.startswith("*")] + [
+        "stride_qnt", "stride_qnh", "stride_qpt", "stride_qph", "stride_cp", "stride_cs", "stride_ot", "stride_oh"]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    return triton.compile(GluonASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": NUM_WARPS})
