@@ -85,6 +85,19 @@ def _ratio_notes(rows, workload):
                 r.note = (r.note + f" {r.time_us / raw - 1:+.1%} vs raw").strip()
 
 
+def _decode_case(h: int, b: int, ctx: int, s_q: int, g):
+    """mla_decode's arguments for b requests of ctx keys (bf16 cache, pages of 64) and a check of
+    an output against the float32 reference (its gather fits: at most ~2 GB here)."""
+    from kernels import paged_cache, rel_err  # benchmarks/kernels.py (the caller)
+
+    cache, _, table, lens = paged_cache("bf16", [ctx] * b, 64, g)
+    # q_nope and q_pe as the decode graph passes them: the two halves of the fused op's one q
+    q = torch.randn(b, s_q, h, L + R, device="cuda", dtype=torch.bfloat16)
+    args_ = (q[..., :L], q[..., L:], cache, table, lens, None, "bf16", SCALE)
+    want = REF.mla_decode(*args_)[0]
+    return args_, lambda out: rel_err(out[0], want)
+
+
 def _available(name):
     try:
         return backends.get(name, "cuda"), ""
@@ -105,13 +118,8 @@ def bench_flash(rows, args, g):
     for h, b, ctx, s_q in cases if "decode" in parts else []:
         name = f"flash mla_decode H={h} B={b} L={ctx} s_q={s_q} bf16"
         print(name, flush=True)
-        cache, _, table, lens = paged_cache("bf16", [ctx] * b, 64, g)
-        # q_nope and q_pe as the decode graph passes them: the two halves of the fused op's one q
-        q = torch.randn(b, s_q, h, L + R, device="cuda", dtype=torch.bfloat16)
-        q_nope, q_pe = q[..., :L], q[..., L:]
-        args_ = (q_nope, q_pe, cache, table, lens, None, "bf16", SCALE)
-        want = REF.mla_decode(*args_)[0]  # the float32 reference (its gather fits: at most ~2 GB here)
-        check = lambda out: rel_err(out[0], want)  # noqa: E731
+        args_, check = _decode_case(h, b, ctx, s_q, g)
+        q_nope, q_pe, cache, table, lens = args_[:5]
         run = Runner(rows, name, 2 * h * s_q * 1088 * b * ctx, 1152 * b * ctx, tol=2e-2)
         triton_op = lambda: torch.ops.mlagraph_triton.mla_decode(*args_)  # noqa: E731
         run.run("triton", triton_op, check, graph_fns=[triton_op])
@@ -146,12 +154,8 @@ def bench_flash(rows, args, g):
         b, ctx = 128, 4096
         name = f"heads mla_decode H={h} B={b} L={ctx} s_q=1 bf16"
         print(name, flush=True)
-        cache, _, table, lens = paged_cache("bf16", [ctx] * b, 64, g)
-        q = torch.randn(b, 1, h, L + R, device="cuda", dtype=torch.bfloat16)
-        q_nope, q_pe = q[..., :L], q[..., L:]
-        args_ = (q_nope, q_pe, cache, table, lens, None, "bf16", SCALE)
-        want = REF.mla_decode(*args_)[0]
-        check = lambda out, want=want: rel_err(out[0], want)  # noqa: E731
+        args_, check = _decode_case(h, b, ctx, 1, g)
+        q_nope, q_pe, cache, table, lens = args_[:5]
         run = Runner(rows, name, 2 * h * 1088 * b * ctx, 1152 * b * ctx, tol=2e-2)
         triton_op = lambda args_=args_: torch.ops.mlagraph_triton.mla_decode(*args_)  # noqa: E731
         run.run("triton", triton_op, check, graph_fns=[triton_op])
@@ -166,7 +170,7 @@ def bench_flash(rows, args, g):
                   graphs=True)
         run.peer("flashmla raw", lambda: _raw_flashmla_decode(q_nope, q_pe, cache, table, lens, "bf16"), check)
         run.peer("flashinfer raw", lambda: _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens), check)
-        del cache, table, lens, q, want
+        del cache, table, lens, q_nope, q_pe, args_, check
 
     # sparse: FlashMLA only (FlashInfer's sparse MLA is not a backend op here)
     for layout, tokens, ctx, topk, what in (("bf16", 4096, 32768, 2048, "prefill"),
