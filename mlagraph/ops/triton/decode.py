@@ -35,9 +35,10 @@ unreliable), so CPU results are the exact-arithmetic version of the GPU's.
 The keys-major form (:mod:`.decode_keys`, config ``FORM="keys"``, optionally ``TMA=True``) puts
 the keys on the MMA's M side for the memory-bound row counts. With TMA it is the default on
 CUDA for bf16 caches at 32 rows or fewer whose 64-key blocks the copy engine can read whole
-(:func:`default_config`). The Gluon form (:mod:`.decode_wgmma`, ``FORM="wgmma"``) is the default
-past 32 rows on Hopper for bf16 queries and caches the copy engine can read
-(:func:`wgmma_blocks`): its two warp groups split the scores instead of both computing them.
+(:func:`default_config`). The Gluon form (:mod:`.decode_wgmma`, ``FORM="wgmma"``) runs past 32
+rows on Hopper for bf16 queries and caches the copy engine can read (:func:`wgmma_blocks`; the
+default there once ``WGMMA_BY_DEFAULT``): its two warp groups split the scores instead of both
+computing them.
 Other caches, fp8 layouts and other GPUs run the rows form here.
 
 Nothing here reads tensor values on the host, so a call can be captured in a CUDA graph.
@@ -62,6 +63,9 @@ from ._hardware import H200_SMS, hardware, interpreted
 from ._launch import check_runnable
 
 _LAYOUT_IDS = {"bf16": 0, "fp8": 1, "fp8_ds": 2}
+# The Gluon form replaces the rows form past 32 rows on Hopper once a GPU run has checked and
+# timed it; until then it runs where a config asks for it (FORM "wgmma").
+WGMMA_BY_DEFAULT = False
 _LOG2E = 1.4426950408889634
 
 
@@ -388,7 +392,7 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
     keys_tma = (q_nope.device.type == "cuda" and layout == "bf16" and rows <= 32 and not picked
                 and tma_blocks(kv_cache, latent, rope, 64) is None)
     asked = (config or {}).get("FORM") == "wgmma"
-    wgmma = asked or (not picked and rows > 32 and q_nope.device.type == "cuda")
+    wgmma = asked or (WGMMA_BY_DEFAULT and not picked and rows > 32 and q_nope.device.type == "cuda")
     if wgmma:
         why = wgmma_blocks(q_nope, kv_cache, layout, latent, rope)
         if why is not None and asked:

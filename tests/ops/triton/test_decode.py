@@ -429,9 +429,9 @@ def test_deepseek_shapes_wgmma(device, heads, s_q, config):
 
 
 @pytest.mark.gpu
-def test_wgmma_is_the_default_past_32_rows_on_hopper():
+def test_wgmma_runs_on_hopper_for_deepseek_caches():
     """On an sm_90 card the launcher finds nothing against the Gluon form for DeepSeek's bf16
-    cache, and the heuristic then picks it for 64 and 128 rows (not for 32)."""
+    cache, and the heuristic, told it can run, picks it for 64 and 128 rows (not for 32)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon form is sm_90 only")
     args = on("cuda", decode_args("bf16", [70, 5], 1, DS_PAGE, heads=128, latent=DS_L, rope=DS_R,
