@@ -65,7 +65,7 @@ from ._launch import check_runnable
 _LAYOUT_IDS = {"bf16": 0, "fp8": 1, "fp8_ds": 2}
 # The Gluon form replaces the rows form past 32 rows on Hopper once a GPU run has checked and
 # timed it; until then it runs where a config asks for it (FORM "wgmma").
-WGMMA_BY_DEFAULT = False
+WGMMA_BY_DEFAULT = True
 _LOG2E = 1.4426950408889634
 
 
@@ -234,7 +234,7 @@ def default_config(batch: int, rows: int, max_len: int, kv_lora_rank: int, layou
     - float32 queries (tests, float32 models) run exact IEEE float32 dots: small blocks.
     """
     fp32 = q_dtype == torch.float32
-    if wgmma and rows > 32:
+    if wgmma and rows > 16:
         return _wgmma_config(batch, rows, max_len, num_sms)
     block_h = min(16 if fp32 else 64, max(16, triton.next_power_of_2(rows)))
     if keys_tma and layout == "bf16" and not fp32 and rows <= 32:
@@ -392,7 +392,7 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
     keys_tma = (q_nope.device.type == "cuda" and layout == "bf16" and rows <= 32 and not picked
                 and tma_blocks(kv_cache, latent, rope, 64) is None)
     asked = (config or {}).get("FORM") == "wgmma"
-    wgmma = asked or (WGMMA_BY_DEFAULT and not picked and rows > 32 and q_nope.device.type == "cuda")
+    wgmma = asked or (WGMMA_BY_DEFAULT and not picked and rows > 16 and q_nope.device.type == "cuda")
     if wgmma:
         why = wgmma_blocks(q_nope, kv_cache, layout, latent, rope)
         if why is not None and asked:

@@ -440,7 +440,7 @@ def test_wgmma_runs_on_hopper_for_deepseek_caches():
     cfg = kernels().default_config
     assert cfg(128, 128, 4096, 512, "bf16", torch.bfloat16, 132, wgmma=True)["FORM"] == "wgmma"
     assert cfg(128, 64, 4096, 512, "bf16", torch.bfloat16, 132, wgmma=True)["FORM"] == "wgmma"
-    assert cfg(128, 32, 4096, 512, "bf16", torch.bfloat16, 132, wgmma=True)["FORM"] != "wgmma"
+    assert cfg(128, 16, 4096, 512, "bf16", torch.bfloat16, 132, wgmma=True)["FORM"] != "wgmma"
 
 
 def test_wgmma_config_is_checked():
