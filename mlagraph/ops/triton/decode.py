@@ -208,12 +208,14 @@ def default_config(batch: int, rows: int, max_len: int, kv_lora_rank: int, layou
     engine can read this cache's 64-key blocks whole (:func:`tma_blocks`); ``wgmma``: the Gluon
     form runs here (:func:`wgmma_blocks` found nothing against it).
 
-    - wgmma, more than 32 rows: the Gluon form (:mod:`.decode_wgmma`), 64 rows and 64 keys a
+    - wgmma, more than 16 rows: the Gluon form (:mod:`.decode_wgmma`), 64 rows and 64 keys a
       block, 8 warps, 2 stages (224 KB of shared memory at L=512: one CTA an SM); splits by the
-      wave rule over one CTA an SM, each split at least 2 key blocks.
+      wave rule over one CTA an SM, each split at least 2 key blocks, and at least 2 splits past
+      32 rows. H200, 2026-12-07, B=128 L=4096: H=128 404 us (rows form 690, FlashMLA 224),
+      H=64 212 (rows 364), H=32 186 and H=24 192 (keys form 221 / 222).
 
-    - keys_tma, a bf16 cache, 32 rows or fewer (H=16 at s_q 1-2, a TP shard's heads), bf16 or
-      fp16 queries: the keys-major form (:mod:`.decode_keys`) with TMA, BLOCK_N 64, 4 warps, 2
+    - keys_tma, a bf16 cache, 32 rows or fewer (H=16 at s_q 1, a TP shard's heads; 16 or fewer
+      where the Gluon form runs), bf16 or fp16 queries: the keys-major form (:mod:`.decode_keys`) with TMA, BLOCK_N 64, 4 warps, 2
       stages (no spill, ~186-225 KB of shared memory: one CTA an SM); splits: one a key block
       where the SMs hold them all (a lone request), else by the wave rule over one CTA an SM.
       H100, 2026-12-07, B=128 L=4096: 216 us at s_q 1 (rows form 254), 246 at s_q 2 (rows
@@ -272,6 +274,10 @@ def _wgmma_config(batch: int, rows: int, max_len: int, num_sms: int) -> dict:
     """The Gluon form's config (see :func:`default_config`)."""
     cap = max(1, min(64, triton.cdiv(max_len, decode_wgmma.BLOCK_N) // 2))
     splits = _pick_splits(batch * triton.cdiv(rows, decode_wgmma.BLOCK_H), num_sms, cap)
+    if rows > 32:
+        # At least 2 splits past 32 rows: what the H200 run of 2026-12-07 timed at H=64 and 128
+        # (B=128, L=4096: 212 / 404 us; a single split, the wave rule's pick there, is untimed).
+        splits = max(splits, min(2, cap))
     return {"BLOCK_H": decode_wgmma.BLOCK_H, "BLOCK_N": decode_wgmma.BLOCK_N, "num_warps": decode_wgmma.NUM_WARPS,
             "num_stages": 2, "MAX_SPLITS": splits, "FP16_DOT": False, "FORM": "wgmma", "TMA": True}
 
@@ -336,7 +342,7 @@ def wgmma_blocks(q_nope: torch.Tensor, kv_cache: torch.Tensor, layout: str, late
     if layout != "bf16" or q_nope.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
         return f"it reads bf16 caches with bf16 queries, got layout {layout!r}, q {q_nope.dtype}"
     if not decode_wgmma.shapes_supported(latent, rope):
-        return f"kv_lora_rank {latent} / rope dim {rope}: it takes 64..512 / 16..64, powers of two"
+        return f"kv_lora_rank {latent} / rope dim {rope}: it runs DeepSeek's 512 / 64"
     return tma_blocks(kv_cache, latent, rope, decode_wgmma.BLOCK_N)
 
 

@@ -173,7 +173,7 @@ def wgmma_blocks(q_nope: torch.Tensor, kv_cache: torch.Tensor, layout: str) -> s
         return f"it reads bf16 caches with bf16 queries, got layout {layout!r}, q {q_nope.dtype}"
     latent, rope = q_nope.shape[-1], kv_cache.shape[-1] - q_nope.shape[-1]
     if not decode_wgmma.shapes_supported(latent, rope):
-        return f"kv_lora_rank {latent} / rope dim {rope}: it takes 64..512 / 16..64, powers of two"
+        return f"kv_lora_rank {latent} / rope dim {rope}: it runs DeepSeek's 512 / 64"
     if kv_cache.data_ptr() % 16 or kv_cache.stride(1) % 8 or kv_cache.stride(0) % 8:
         return "cache rows are not 16-byte aligned (its copies move 16 bytes)"
     return None
