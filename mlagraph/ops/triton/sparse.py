@@ -19,6 +19,10 @@ they convert exactly to the dot dtype and the per-tensor scale is applied to the
 the output instead of to every element. "fp8_ds" rows (L e4m3 | L/128 float32 scales | R bf16)
 are dequantized per 128-value group in registers before the dots. Dots run in q's dtype (bf16 on
 the fast path) with float32 accumulation; float32 queries use exact ("ieee") dots.
+
+On Hopper, bf16 queries and caches at DeepSeek's widths and more than 16 heads run the Gluon
+form instead (:mod:`.sparse_wgmma`: the two warp groups split the scores rather than both
+computing them; :func:`wgmma_blocks` says where it cannot run); ``config`` picks either.
 """
 
 from __future__ import annotations
@@ -198,6 +202,10 @@ def sparse_mla(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale
     )
     if kv_cache.dtype == torch.float8_e4m3fn:
         kv_cache = kv_cache.view(torch.uint8)
+    if not config and num_heads > 16 and wgmma_blocks(q_nope, kv_cache, layout) is None:
+        # The Gluon form where it runs, past 16 heads (H200, 2026-12-07, T=4096 ctx=32K top-2048
+        # H=128: 10.6 ms against this kernel's 15.9; at 16 heads it would pad 48 rows, untimed).
+        config = {"FORM": "wgmma"}
     cfg = {**sparse_config(q_nope), **(config or {})}
     page_size = kv_cache.shape[1]
     if cfg.get("FORM", "rows") == "wgmma":

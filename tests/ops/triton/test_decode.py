@@ -428,6 +428,39 @@ def test_deepseek_shapes_wgmma(device, heads, s_q, config):
     assert_padding(out, lse, DS_LENS, s_q)
 
 
+@cuda_only
+def test_wgmma_cuda_graph_replay_matches_eager(device):
+    """The Gluon form (the default here: 128 heads, bf16, Hopper) captured once and replayed with
+    new lengths, cache contents and block table: replay equals eager and the reference."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon form is sm_90 only")
+    capacity, heads = [1500, 1500, 1500, 1500], 128
+    num_pages = 4 * (1500 // DS_PAGE + 1) + 3
+    states = []
+    for seed, lens in [(0, [1500, 0, 33, 900]), (1, [0, 1200, 1500, 1])]:
+        t = make_block_table(capacity, DS_PAGE, num_pages, seed=seed)
+        cache, _, _ = make_cache("bf16", lens, DS_PAGE, latent=DS_L, rope=DS_R, seed=seed, table=t,
+                                 num_pages=num_pages)
+        q_nope, q_pe = make_q(4, 1, heads, latent=DS_L, rope=DS_R, dtype=torch.bfloat16, seed=seed + 5)
+        states.append([q_nope, q_pe, cache, t, torch.tensor(lens, dtype=torch.int32)])
+    static = [x.to(device) for x in states[0]]
+    assert kernels().wgmma_blocks(static[0], static[2], "bf16", DS_L, DS_R) is None
+
+    def step():
+        return triton_decode(*static, None, "bf16", SM_SCALE)
+
+    graph, (out, lse) = capture_cuda_graph(step)
+    for state in states:
+        for dst, src in zip(static, state):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_out, eager_lse = step()
+        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+        want_out, want_lse = ref_decode(*state, None, "bf16", SM_SCALE)
+        torch.testing.assert_close(out.cpu().float(), want_out.float(), **BF16_TOL)
+
+
 @pytest.mark.gpu
 def test_wgmma_runs_on_hopper_for_deepseek_caches():
     """On an sm_90 card the launcher finds nothing against the Gluon form for DeepSeek's bf16
