@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -135,3 +139,13 @@ def capture_cuda_graph(step: Callable):
     with torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+def sm90_build_report(code: str) -> list:
+    """Runs ``code`` in a child Python without TRITON_INTERPRET (Gluon cannot compile the
+    interpreter's functions, which this process's conftest turns on) and returns the JSON list
+    its last stdout line prints: how the tests build Gluon kernels for sm_90 with no GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().split("\n")[-1])

@@ -334,16 +334,10 @@ def tma_blocks(kv_cache: torch.Tensor, latent: int, rope: int, block_n: int) -> 
 
 
 def wgmma_blocks(q_nope: torch.Tensor, kv_cache: torch.Tensor, layout: str, latent: int, rope: int) -> str | None:
-    """Why the Gluon form (:mod:`.decode_wgmma`) cannot run this call (None: it can)."""
-    if not decode_wgmma.AVAILABLE:
-        return "this Triton has no Gluon (triton.experimental.gluon)"
-    if q_nope.device.type != "cuda" or torch.cuda.get_device_capability(q_nope.device) != (9, 0):
-        return "it needs a Hopper GPU (sm_90: warp-group MMA)"
-    if layout != "bf16" or q_nope.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
-        return f"it reads bf16 caches with bf16 queries, got layout {layout!r}, q {q_nope.dtype}"
-    if not decode_wgmma.shapes_supported(latent, rope):
-        return f"kv_lora_rank {latent} / rope dim {rope}: it runs DeepSeek's 512 / 64"
-    return tma_blocks(kv_cache, latent, rope, decode_wgmma.BLOCK_N)
+    """Why the Gluon form (:mod:`.decode_wgmma`) cannot run this call (None: it can): what the
+    Gluon kernels need, and 64-key blocks the copy engine can read whole."""
+    return (decode_wgmma.why_not(q_nope, kv_cache, layout, latent, rope)
+            or tma_blocks(kv_cache, latent, rope, decode_wgmma.BLOCK_N))
 
 
 def _cache_descriptors(kv_cache: torch.Tensor, layout: str, latent: int, rope: int, block_n: int):

@@ -45,6 +45,17 @@ try:
         return gl.NVMMASharedLayout.get_default_for([BLOCK_N, cols], gl.bfloat16)
 
     @gluon.constexpr_function
+    def score_layout():
+        """S [64 rows, 64 keys], a wgmma result: 4 warps down the rows, the two warp groups side
+        by side (each 32 of the keys)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
+
+    @gluon.constexpr_function
+    def acc_layout(cols):
+        """The accumulator [64 rows, cols]: as S, the warp groups each cols / 2 of the columns."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, cols // 2, 16])
+
+    @gluon.constexpr_function
     def gather_layout(cols):
         """Registers of a [rows, cols] bf16 tile loaded from rows of memory: 16 bytes a thread, a
         warp across 256 columns (or 4 rows of 64), so 32 rows x 512 or x 64 is split over 8 warps
@@ -67,6 +78,23 @@ def shared_bytes(latent: int, rope: int, stages: int) -> int:
     """Shared memory the kernel takes: q, ``stages`` key blocks, P (bf16), and ~1 KB the compiler
     adds for its cross-warp reductions (seen: 229904 B at L=512, R=64, 2 stages)."""
     return 2 * (BLOCK_H * (latent + rope) + stages * BLOCK_N * (latent + rope) + BLOCK_H * BLOCK_N) + 1024
+
+
+def why_not(q_nope, kv_cache, layout: str, latent: int, rope: int) -> str | None:
+    """Why a Gluon kernel here (this one or :mod:`.sparse_wgmma`) cannot run a call (None: as far
+    as what they share goes, it can): Gluon present, a Hopper GPU, bf16 queries and cache,
+    DeepSeek's widths."""
+    import torch
+
+    if not AVAILABLE:
+        return "this Triton has no Gluon (triton.experimental.gluon)"
+    if q_nope.device.type != "cuda" or torch.cuda.get_device_capability(q_nope.device) != (9, 0):
+        return "it needs a Hopper GPU (sm_90: warp-group MMA)"
+    if layout != "bf16" or q_nope.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
+        return f"it reads bf16 caches with bf16 queries, got layout {layout!r}, q {q_nope.dtype}"
+    if not shapes_supported(latent, rope):
+        return f"kv_lora_rank {latent} / rope dim {rope}: it runs DeepSeek's 512 / 64"
+    return None
 
 
 def shapes_supported(latent: int, rope: int) -> bool:
@@ -96,10 +124,8 @@ if AVAILABLE:
         split = gl.program_id(1)
         b = gl.program_id(2).to(gl.int64)
 
-        # Layouts. Scores and accumulator: wgmma results, 4 warps down the 64 rows, the two warp
-        # groups side by side (keys for S, latent columns for acc). Loads: 8 bf16 (16 B) a thread.
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16])
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16])
+        S_L: gl.constexpr = score_layout()
+        O_L: gl.constexpr = acc_layout(L)
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
         P_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -142,10 +168,7 @@ if AVAILABLE:
         rows_s = row_block * BH + gl.arange(0, BH, layout=ROW_S)
         limit = seq_len - S_Q + rows_s // H  # each row's causal limit
         keys_s = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
-        m_i = gl.full([BH], float("-inf"), gl.float32, layout=ROW_S)
-        l_i = gl.zeros([BH], gl.float32, layout=ROW_S)
-        acc = gl.zeros([BH, L], gl.float32, layout=O_L)
-        s_zero = gl.zeros([BH, BN], gl.float32, layout=S_L)
+        m_i, l_i, acc, s_zero = _softmax_start(L)
         for j in range(0, n_blocks):
             stage = j % STAGES
             start = lo + j * BN
@@ -168,11 +191,7 @@ if AVAILABLE:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
-        # out = acc / l (natural-log lse); a row that saw no key: out 0, lse -inf.
-        has_key = l_i > 0.0
-        l_safe = gl.where(has_key, l_i, 1.0)
-        row_lse = gl.where(has_key, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        o = acc * gl.convert_layout(1.0 / l_safe, ROW_O)[:, None]
+        o, row_lse = _softmax_end(m_i, l_i, acc)
         rows_o = row_block * BH + gl.arange(0, BH, layout=ROW_O)
         cols_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
         o_ptrs = out + b * stride_o_b + split * stride_o_split + rows_o[:, None] * stride_o_row + cols_o[None, :]
@@ -182,6 +201,25 @@ if AVAILABLE:
         else:  # an empty split leaves its partial out unwritten: the combine never reads it
             gl.store(o_ptrs, o, mask=(row_ok & (lo < hi))[:, None])
         gl.store(lse + b * stride_lse_b + split * stride_lse_split + rows_s, row_lse, mask=rows_s < S_Q * H)
+
+    @gluon.jit
+    def _softmax_start(L: gl.constexpr):
+        """The online softmax's state before any key: (m [64] = -inf, l [64] = 0, acc [64, L] = 0)
+        and a zero S [64, 64] (the scores' first product starts from it)."""
+        BH: gl.constexpr = 64
+        BN: gl.constexpr = 64
+        m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, score_layout()))
+        l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(1, score_layout()))
+        acc = gl.zeros([BH, L], gl.float32, layout=acc_layout(L))
+        return m_i, l_i, acc, gl.zeros([BH, BN], gl.float32, layout=score_layout())
+
+    @gluon.jit
+    def _softmax_end(m_i, l_i, acc):
+        """(out = acc / l [64, L], lse [64] in natural log); a row that saw no key: out 0, lse -inf."""
+        has_key = l_i > 0.0
+        l_safe = gl.where(has_key, l_i, 1.0)
+        lse = gl.where(has_key, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        return acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, acc.type.layout))[:, None], lse
 
     @gluon.jit
     def _attend_block(q_lat, q_rope, kl, kr, p_smem, s_zero, visible, qk_scale, m_i, l_i, acc, ROW_O: gl.constexpr):

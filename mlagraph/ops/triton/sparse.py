@@ -168,19 +168,13 @@ def sparse_config(q_nope: torch.Tensor) -> dict:
 
 
 def wgmma_blocks(q_nope: torch.Tensor, kv_cache: torch.Tensor, layout: str) -> str | None:
-    """Why the Gluon form (:mod:`.sparse_wgmma`) cannot run this call (None: it can)."""
-    if not sparse_wgmma.AVAILABLE:
-        return "this Triton has no Gluon (triton.experimental.gluon)"
-    if q_nope.device.type != "cuda" or torch.cuda.get_device_capability(q_nope.device) != (9, 0):
-        return "it needs a Hopper GPU (sm_90: warp-group MMA)"
-    if layout != "bf16" or q_nope.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
-        return f"it reads bf16 caches with bf16 queries, got layout {layout!r}, q {q_nope.dtype}"
-    latent, rope = q_nope.shape[-1], kv_cache.shape[-1] - q_nope.shape[-1]
-    if not decode_wgmma.shapes_supported(latent, rope):
-        return f"kv_lora_rank {latent} / rope dim {rope}: it runs DeepSeek's 512 / 64"
-    if kv_cache.data_ptr() % 16 or kv_cache.stride(1) % 8 or kv_cache.stride(0) % 8:
-        return "cache rows are not 16-byte aligned (its copies move 16 bytes)"
-    return None
+    """Why the Gluon form (:mod:`.sparse_wgmma`) cannot run this call (None: it can): what the
+    Gluon kernels need, and 16-byte aligned cache rows (its copies move 16 bytes)."""
+    latent = q_nope.shape[-1]
+    why = decode_wgmma.why_not(q_nope, kv_cache, layout, latent, kv_cache.shape[-1] - latent)
+    if why is None and (kv_cache.data_ptr() % 16 or kv_cache.stride(1) % 8 or kv_cache.stride(0) % 8):
+        why = "cache rows are not 16-byte aligned (its copies move 16 bytes)"
+    return why
 
 
 def sparse_mla(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale, layout, softmax_scale,

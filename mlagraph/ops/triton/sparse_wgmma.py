@@ -26,8 +26,8 @@ NUM_WARPS = decode_wgmma.NUM_WARPS
 if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from .decode_wgmma import (_attend_block, _cta_barrier, _rows_to_shared, fence_async_shared, gather_layout, gl,
-                               gluon, shared_layout)
+    from .decode_wgmma import (_attend_block, _cta_barrier, _rows_to_shared, _softmax_end, _softmax_start, acc_layout,
+                               fence_async_shared, gather_layout, gl, gluon, score_layout, shared_layout)
 
     # cp.async into shared memory: async_copy.async_copy_global_to_shared, renamed async_load later.
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -42,8 +42,8 @@ if AVAILABLE:
     ):
         BH: gl.constexpr = 64
         BN: gl.constexpr = 64
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16])
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16])
+        S_L: gl.constexpr = score_layout()
+        O_L: gl.constexpr = acc_layout(L)
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
 
@@ -76,10 +76,7 @@ if AVAILABLE:
             async_copy.commit_group()
 
         keys_s = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
-        m_i = gl.full([BH], float("-inf"), gl.float32, layout=ROW_S)
-        l_i = gl.zeros([BH], gl.float32, layout=ROW_S)
-        acc = gl.zeros([BH, L], gl.float32, layout=O_L)
-        s_zero = gl.zeros([BH, BN], gl.float32, layout=S_L)
+        m_i, l_i, acc, s_zero = _softmax_start(L)
         for j in range(0, n_blocks):
             # Refill the stage block j - 1 used (every warp finished with it in _attend_block).
             ahead = j + STAGES - 1
@@ -101,11 +98,7 @@ if AVAILABLE:
                                           visible, qk_scale, m_i, l_i, acc, ROW_O)
         async_copy.wait_group(0)
 
-        # out = acc / l; lse in natural log; a head that saw no key: out 0, lse -inf.
-        has_key = l_i > 0.0
-        l_safe = gl.where(has_key, l_i, 1.0)
-        lse = gl.where(has_key, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        o = acc * gl.convert_layout(1.0 / l_safe, ROW_O)[:, None]
+        o, lse = _softmax_end(m_i, l_i, acc)
         heads_o = head0 + gl.arange(0, BH, layout=ROW_O)
         cols_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
         o_ptrs = out_ptr + tok * stride_ot + heads_o[:, None] * stride_oh + cols_o[None, :]
