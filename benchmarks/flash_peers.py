@@ -85,6 +85,9 @@ def _ratio_notes(rows, workload):
                 r.note = (r.note + f" {r.time_us / raw - 1:+.1%} vs raw").strip()
 
 
+KEYS_SWEEP_BASE = {"FORM": "keys", "TMA": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
 def _decode_case(h: int, b: int, ctx: int, s_q: int, g):
     """mla_decode's arguments for b requests of ctx keys (bf16 cache, pages of 64) and a check of
     an output against the float32 reference (its gather fits: at most ~2 GB here)."""
@@ -126,11 +129,11 @@ def bench_flash(rows, args, g):
         if args.sweep and h * s_q <= 32:
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
                   KEYS_SWEEP.get((s_q, b), KEYS_SWEEP.get(s_q, [])), graphs=True)
-        if h * s_q > 32:
-            # The Gluon form (the default on Hopper past 32 rows) against the rows form it replaced.
+        if h * s_q > 16:
+            # The Gluon form (the default on Hopper past 16 rows) against the forms it replaced.
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
-                  [{"FORM": "rows"}, {"FORM": "wgmma", "MAX_SPLITS": 2}, {"FORM": "wgmma", "num_stages": 1}],
-                  graphs=True)
+                  [{"FORM": "rows"}, {"FORM": "wgmma", "MAX_SPLITS": 1}, {"FORM": "wgmma", "num_stages": 1}]
+                  + ([{**KEYS_SWEEP_BASE, "BLOCK_H": 32}] if h * s_q <= 32 else []), graphs=True)
         mirrors = {table: table.cpu(), lens: lens.cpu()}
         for lib, backend, why, raw in (("flashmla", fm, fm_why, lambda: _raw_flashmla_decode(q_nope, q_pe, cache, table, lens, "bf16")),
                                        ("flashinfer", fi, fi_why, lambda: _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens))):
@@ -161,13 +164,11 @@ def bench_flash(rows, args, g):
         run.run("triton", triton_op, check, graph_fns=[triton_op])
         if h >= 24:
             # The keys-major form in row blocks of 16 or 32 (each block re-reads the keys, mostly
-            # from L2), the rows form, and the Gluon form (the default past 32 rows; at 24-32 rows
-            # it pads the 64-row block) against the default.
-            keys = {"FORM": "keys", "TMA": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+            # from L2) and the rows form against the default (the Gluon form past 16 rows, which
+            # pads the 64-row block at 24-32).
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
-                  [{**keys, "BLOCK_H": bh, "MAX_SPLITS": sp} for bh in (16, 32) for sp in (1, 2)]
-                  + [{"FORM": "rows"}, {"FORM": "wgmma"} if h <= 32 else {"FORM": "wgmma", "MAX_SPLITS": 2}],
-                  graphs=True)
+                  [{**KEYS_SWEEP_BASE, "BLOCK_H": bh, "MAX_SPLITS": sp} for bh in (16, 32) for sp in (1, 2)]
+                  + [{"FORM": "rows"}], graphs=True)
         run.peer("flashmla raw", lambda: _raw_flashmla_decode(q_nope, q_pe, cache, table, lens, "bf16"), check)
         run.peer("flashinfer raw", lambda: _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens), check)
         del cache, table, lens, q_nope, q_pe, args_, check
@@ -194,9 +195,9 @@ def bench_flash(rows, args, g):
         triton_op = lambda: torch.ops.mlagraph_triton.sparse_mla(*args_)  # noqa: E731
         ours = _in_step(lambda: fm.op("sparse_mla")(*args_), host_plan.Step())
         run.run("triton", triton_op, check, graph_fns=[triton_op] if graphed else None)
-        if layout == "bf16":  # the Gluon form (sparse_wgmma) reads bf16 caches
+        if layout == "bf16":  # the Gluon form (sparse_wgmma, the default here) against the Triton kernel
             sweep(run, lambda config: triton_sparse.sparse_mla(*args_, config=config), check,
-                  [{"FORM": "wgmma"}, {"FORM": "wgmma", "num_stages": 1}], graphs=graphed)
+                  [{"FORM": "rows"}, {"FORM": "wgmma", "num_stages": 1}], graphs=graphed)
         run.run("flashmla backend", ours, check, graph_fns=[ours] if graphed else None)
 
         def raw_sparse():
