@@ -132,7 +132,8 @@ def bench_flash(rows, args, g):
         if h * s_q > 16:
             # The Gluon form (the default on Hopper past 16 rows) against the forms it replaced.
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
-                  [{"FORM": "rows"}, {"FORM": "wgmma", "MAX_SPLITS": 1}, {"FORM": "wgmma", "num_stages": 1}]
+                  [{"FORM": "rows"}, {"FORM": "wgmma", "MAX_SPLITS": 1}, {"FORM": "wgmma", "num_stages": 1},
+                   {"FORM": "wgmma", "OVERLAP": True}]
                   + ([{**KEYS_SWEEP_BASE, "BLOCK_H": 32}] if h * s_q <= 32 else []), graphs=True)
         mirrors = {table: table.cpu(), lens: lens.cpu()}
         for lib, backend, why, raw in (("flashmla", fm, fm_why, lambda: _raw_flashmla_decode(q_nope, q_pe, cache, table, lens, "bf16")),

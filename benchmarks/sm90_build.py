@@ -61,7 +61,7 @@ def build_wgmma(args):
     """The Gluon decode kernel (mlagraph/ops/triton/decode_wgmma.py): bf16 cache, 64 rows a program."""
     from mlagraph.ops.triton import decode_wgmma
 
-    return decode_wgmma.compile_for_sm90(args.s_q, args.heads, args.splits, args.stages)
+    return decode_wgmma.compile_for_sm90(args.s_q, args.heads, args.splits, args.stages, overlap=args.overlap)
 
 
 def build_sparse_wgmma(args):
@@ -153,6 +153,7 @@ def main() -> None:
     p.add_argument("--block-m", type=int, default=16, help="grouped: rows a tile")
     p.add_argument("--block-k", type=int, default=128, help="grouped: K columns a step")
     p.add_argument("--persistent", type=int, default=0, help="grouped: the persistent kernel, programs an SM")
+    p.add_argument("--overlap", action="store_true", help="wgmma: the next block's scores issued before P @ kv ends")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--splits", type=int, default=2)

@@ -288,7 +288,8 @@ def _dot_width(dim: int) -> int:
 
 
 def _check_config(config: dict, override: dict) -> None:
-    unknown = set(override) - {"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "MAX_SPLITS", "FP16_DOT", "FORM", "TMA"}
+    unknown = set(override) - {"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "MAX_SPLITS", "FP16_DOT", "FORM", "TMA",
+                               "OVERLAP"}
     if unknown:
         raise ValueError(f"mla_decode config: unknown keys {sorted(unknown)}")
     for key in ("BLOCK_H", "BLOCK_N"):
@@ -307,7 +308,12 @@ def _check_config(config: dict, override: dict) -> None:
                 raise ValueError(f"mla_decode config: FORM 'wgmma' takes {key} {want}, got {config[key]}")
         if config["num_stages"] < 1:
             raise ValueError(f"mla_decode config: FORM 'wgmma' needs num_stages >= 1, got {config['num_stages']}")
+        if config.get("OVERLAP") and config["num_stages"] < 2:
+            # the next block's scores read its stage while this block's P @ kv reads this one
+            raise ValueError(f"mla_decode config: OVERLAP needs num_stages >= 2, got {config['num_stages']}")
         return
+    if config.get("OVERLAP"):
+        raise ValueError("mla_decode config: OVERLAP needs FORM 'wgmma'")
     if config["TMA"] and config["FORM"] != "keys":
         raise ValueError("mla_decode config: TMA needs FORM 'keys' (or 'wgmma', always through the copy engine)")
     if config["TMA"] and config["num_stages"] < 2:
@@ -368,7 +374,8 @@ def mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, sof
 def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, softmax_scale,
                            config: dict | None = None):
     """:func:`mla_decode` with optional overrides of :func:`default_config`'s keys (BLOCK_H,
-    BLOCK_N, num_warps, num_stages, MAX_SPLITS, FP16_DOT, FORM "rows" | "keys" | "wgmma", TMA); the keys not
+    BLOCK_N, num_warps, num_stages, MAX_SPLITS, FP16_DOT, FORM "rows" | "keys" | "wgmma", TMA, and
+    OVERLAP for the Gluon form: block j+1's scores issued before block j's P @ kv ends); the keys not
     given keep their default. TMA where the cache's blocks cannot be copied whole is refused
     (:func:`tma_blocks` says why)."""
     check_runnable("mla_decode", _split_kernel, q_nope)
@@ -454,7 +461,7 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
         decode_wgmma._split_wgmma_kernel[grid](
             q_nope, q_pe, kv_cache, *descs, block_table, seq_lens, part_out, part_lse, *common,
             S_Q=s_q, H=heads, L=latent, R=rope, PAGE=page_size, MAX_SPLITS=max_splits, DIRECT=direct,
-            STAGES=cfg["num_stages"], num_warps=decode_wgmma.NUM_WARPS)
+            STAGES=cfg["num_stages"], OVERLAP=bool(cfg.get("OVERLAP", False)), num_warps=decode_wgmma.NUM_WARPS)
     elif cfg["FORM"] == "rows":
         _split_kernel[grid](q_nope, q_pe, kv_cache, block_table, seq_lens, fp8_scale, part_out, part_lse,
                             *common, **meta)

@@ -116,6 +116,7 @@ if AVAILABLE:
         MAX_LEN,
         S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr,
         MAX_SPLITS: gl.constexpr, DIRECT: gl.constexpr, STAGES: gl.constexpr,
+        OVERLAP: gl.constexpr = False,  # block j+1's scores issued before block j's P @ kv has finished
     ):
         BH: gl.constexpr = 64
         BN: gl.constexpr = 64
@@ -169,24 +170,51 @@ if AVAILABLE:
         limit = seq_len - S_Q + rows_s // H  # each row's causal limit
         keys_s = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
         m_i, l_i, acc, s_zero = _softmax_start(L)
+        if OVERLAP:
+            # Block 0's scores in flight before the loop (with no block at all they read stage 0's
+            # stale bytes, and are waited for and dropped).
+            if n_blocks > 0:
+                _block_ready(cache, bt_row, stride_bt_p, stride_c_page, stride_c_tok, lo, hi, 0, n_full, ready,
+                             k_lat, k_rope, L, R, PAGE, GN, BN, STAGES)
+            s_next = _scores(q_lat, q_rope, k_lat.index(0), k_rope.index(0), s_zero)
         for j in range(0, n_blocks):
             stage = j % STAGES
             start = lo + j * BN
             page = gl.load(bt_row + (start // PAGE) * stride_bt_p)  # a block lies in one page
-            if j < n_full:
-                mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
-            else:
-                _gather_block(cache, bt_row, stride_bt_p, stride_c_page, stride_c_tok, start, hi,
-                              k_lat.index(stage), k_rope.index(stage), L, R, PAGE, GN, BN)
+            if OVERLAP:
+                pos = start + keys_s
+                visible = (pos[None, :] <= limit[:, None]) & (pos < hi)[None, :] & (page >= 0)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
+                m_i, l_i, alpha, p = _softmax_step(s, visible, qk_scale, m_i, l_i)
+                p_smem.store(p.to(gl.bfloat16))
                 fence_async_shared()
-                _cta_barrier()
-            pos = start + keys_s
-            visible = (pos[None, :] <= limit[:, None]) & (pos < hi)[None, :] & (page >= 0)
-            m_i, l_i, acc = _attend_block(q_lat, q_rope, k_lat.index(stage), k_rope.index(stage), p_smem, s_zero,
-                                          visible, qk_scale, m_i, l_i, acc, ROW_O)
+                _cta_barrier()  # all of P written before either warp group reads it
+                acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+                pv = warpgroup_mma(p_smem, k_lat.index(stage), acc, is_async=True)
+                if j + 1 < n_blocks:
+                    # The next block's two score products queue behind this P @ kv, so the tensor
+                    # cores go from one to the next without waiting for this thread's softmax.
+                    _block_ready(cache, bt_row, stride_bt_p, stride_c_page, stride_c_tok, lo, hi, j + 1, n_full,
+                                 ready, k_lat, k_rope, L, R, PAGE, GN, BN, STAGES)
+                    s_next = _scores(q_lat, q_rope, k_lat.index((j + 1) % STAGES), k_rope.index((j + 1) % STAGES),
+                                     s_zero)
+                    acc = warpgroup_mma_wait(num_outstanding=2, deps=(pv,))  # P @ kv done, scores may run
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                _cta_barrier()  # both warp groups done with P and this stage: refill it
+            else:
+                _block_ready(cache, bt_row, stride_bt_p, stride_c_page, stride_c_tok, lo, hi, j, n_full, ready,
+                             k_lat, k_rope, L, R, PAGE, GN, BN, STAGES)
+                pos = start + keys_s
+                visible = (pos[None, :] <= limit[:, None]) & (pos < hi)[None, :] & (page >= 0)
+                m_i, l_i, acc = _attend_block(q_lat, q_rope, k_lat.index(stage), k_rope.index(stage), p_smem,
+                                              s_zero, visible, qk_scale, m_i, l_i, acc, ROW_O)
             if j + STAGES < n_full:
                 _issue_block(lat_desc, pe_desc, bt_row, stride_bt_p, start + STAGES * BN, ready.index(stage),
                              k_lat.index(stage), k_rope.index(stage), L, PAGE)
+        if OVERLAP:
+            if n_blocks == 0:
+                dropped = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))  # the prologue's, unused  # noqa: F841
 
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
@@ -222,22 +250,47 @@ if AVAILABLE:
         return acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, acc.type.layout))[:, None], lse
 
     @gluon.jit
-    def _attend_block(q_lat, q_rope, kl, kr, p_smem, s_zero, visible, qk_scale, m_i, l_i, acc, ROW_O: gl.constexpr):
-        """One block of 64 keys (kl [64, L], kr [64, R] in shared memory) into the online softmax
-        (base 2) of 64 rows: S in the layout of s_zero (the warp groups split the keys), P
-        through p_smem, acc [64, L] (the warp groups split the columns). ``visible`` [64, 64]
-        masks scores; masked keys must be finite in shared memory (0 weight x NaN is NaN).
-        Returns (m, l, acc); on return both warp groups are done with kl, kr and p_smem."""
+    def _block_ready(cache, bt_row, stride_bt_p, stride_c_page, stride_c_tok, lo, hi, j, n_full, ready, k_lat, k_rope,
+                     L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, GN: gl.constexpr, BN: gl.constexpr,
+                     STAGES: gl.constexpr):
+        """Block j of the split in its stage, for every warp: a whole block's copy awaited, the
+        partial last block gathered (zeros past ``hi``)."""
+        stage = j % STAGES
+        if j < n_full:
+            mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+        else:
+            _gather_block(cache, bt_row, stride_bt_p, stride_c_page, stride_c_tok, lo + j * BN, hi,
+                          k_lat.index(stage), k_rope.index(stage), L, R, PAGE, GN, BN)
+            fence_async_shared()
+            _cta_barrier()
+
+    @gluon.jit
+    def _scores(q_lat, q_rope, kl, kr, s_zero):
+        """S = q_lat @ kl^T + q_rope @ kr^T [64, 64], issued (two wgmma groups), not awaited."""
         s = warpgroup_mma(q_lat, kl.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        return warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _softmax_step(s, visible, qk_scale, m_i, l_i):
+        """Scores S [64, 64] of a block into the online softmax (base 2): (m, l, alpha: the old
+        accumulator's factor, p = exp2(S - m))."""
         s = gl.where(visible, s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return m_new, l_i * alpha + gl.sum(p, axis=1), alpha, p
+
+    @gluon.jit
+    def _attend_block(q_lat, q_rope, kl, kr, p_smem, s_zero, visible, qk_scale, m_i, l_i, acc, ROW_O: gl.constexpr):
+        """One block of 64 keys (kl [64, L], kr [64, R] in shared memory) into the online softmax
+        (base 2) of 64 rows: S in the layout of s_zero (the warp groups split the keys), P
+        through p_smem, acc [64, L] (the warp groups split the columns). ``visible`` [64, 64]
+        masks scores; masked keys must be finite in shared memory (0 weight x NaN is NaN).
+        Returns (m, l, acc); on return both warp groups are done with kl, kr and p_smem."""
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_lat, q_rope, kl, kr, s_zero),))
+        m_new, l_i, alpha, p = _softmax_step(s, visible, qk_scale, m_i, l_i)
 
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
@@ -301,7 +354,7 @@ def cache_descriptors(kv_cache, latent: int, rope: int):
 
 
 def compile_for_sm90(s_q: int = 1, heads: int = 128, splits: int = 2, stages: int = 2, latent: int = 512,
-                     rope: int = 64, page: int = 64):
+                     rope: int = 64, page: int = 64, overlap: bool = False):
     """The kernel built for sm_90 without a GPU (Triton's compiler and ptxas only): the compiled
     kernel (``.asm["ptx"]``, ``.metadata.shared``, ...). Pointers and strides are marked
     16-divisible, as the JIT specialises them at a launch. Not under TRITON_INTERPRET: there the
@@ -317,7 +370,7 @@ def compile_for_sm90(s_q: int = 1, heads: int = 128, splits: int = 2, stages: in
              "out": "*fp32" if splits > 1 else "*bf16", "lse": "*fp32", "qk_scale": "fp32",
              "lat_desc": f"tensordesc<bf16[{BLOCK_N},{latent}],{lat}>", "pe_desc": f"tensordesc<bf16[{BLOCK_N},{rope}],{pe}>"}
     consts = dict(S_Q=s_q, H=heads, L=latent, R=rope, PAGE=page, MAX_SPLITS=splits, DIRECT=splits == 1,
-                  STAGES=stages)
+                  STAGES=stages, OVERLAP=overlap)
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     # the block table's and seq_lens' strides are 1 and stay unmarked
     div16 = [n for n, t in signature.items()

@@ -414,7 +414,9 @@ WGMMA = {"FORM": "wgmma"}
 
 @cuda_only
 @pytest.mark.parametrize("config", [WGMMA, {**WGMMA, "MAX_SPLITS": 1}, {**WGMMA, "MAX_SPLITS": 3},
-                                    {**WGMMA, "num_stages": 1}], ids=["default", "direct", "splits3", "one_stage"])
+                                    {**WGMMA, "num_stages": 1}, {**WGMMA, "OVERLAP": True},
+                                    {**WGMMA, "OVERLAP": True, "MAX_SPLITS": 3}],
+                         ids=["default", "direct", "splits3", "one_stage", "overlap", "overlap_splits3"])
 @pytest.mark.parametrize("s_q", [1, 2])
 @pytest.mark.parametrize("heads", [40, 64, 128])
 def test_deepseek_shapes_wgmma(device, heads, s_q, config):
@@ -451,6 +453,11 @@ def test_wgmma_config_is_checked():
                                  "BLOCK_H": 32}, {"BLOCK_H": 32})
     with pytest.raises(ValueError, match="FORM 'wgmma' asked for, but"):
         kernels().mla_decode_with_config(*args, config={"FORM": "wgmma"})
+    wgmma = kernels().default_config(2, 64, 8, L, "bf16", torch.bfloat16, wgmma=True)
+    with pytest.raises(ValueError, match="OVERLAP needs num_stages >= 2, got 1"):
+        kernels()._check_config({**wgmma, "num_stages": 1, "OVERLAP": True}, {"num_stages": 1, "OVERLAP": True})
+    with pytest.raises(ValueError, match="OVERLAP needs FORM 'wgmma'"):
+        kernels().mla_decode_with_config(*args, config={"OVERLAP": True})
     wg = kernels().default_config(128, 128, 4096, 512, "bf16", torch.bfloat16, 132, wgmma=True)
     assert (wg["BLOCK_H"], wg["BLOCK_N"], wg["num_warps"], wg["num_stages"], wg["TMA"]) == (64, 64, 8, 2, True)
     assert wg["MAX_SPLITS"] == 2  # 256 programs on 132 SMs: two full waves, but at least 2 splits past 32 rows
@@ -467,7 +474,8 @@ def test_wgmma_kernel_builds_for_sm90():
     if not decode_wgmma.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     code = ("import json; from mlagraph.ops.triton import decode_wgmma as d\n"
-            "builds = [d.compile_for_sm90(s_q=s_q, splits=splits) for s_q, splits in ((1, 2), (2, 1))]\n"
+            "builds = [d.compile_for_sm90(s_q=s_q, splits=splits, overlap=overlap)"
+            " for s_q, splits, overlap in ((1, 2, False), (2, 1, False), (1, 2, True))]\n"
             "print(json.dumps([[k.asm['ptx'].count('wgmma.mma_async'), k.asm['ptx'].count('mma.sync'),"
             " k.metadata.shared] for k in builds]))")
     for wgmma, mma_sync, shared in helpers.sm90_build_report(code):
