@@ -35,11 +35,11 @@ unreliable), so CPU results are the exact-arithmetic version of the GPU's.
 The keys-major form (:mod:`.decode_keys`, config ``FORM="keys"``, optionally ``TMA=True``) puts
 the keys on the MMA's M side for the memory-bound row counts. With TMA it is the default on
 CUDA for bf16 caches at 32 rows or fewer whose 64-key blocks the copy engine can read whole
-(:func:`default_config`). The Gluon form (:mod:`.decode_wgmma`, ``FORM="wgmma"``) runs past 32
-rows on Hopper for bf16 queries and caches the copy engine can read (:func:`wgmma_blocks`; the
-default there once ``WGMMA_BY_DEFAULT``): its two warp groups split the scores instead of both
-computing them.
-Other caches, fp8 layouts and other GPUs run the rows form here.
+(:func:`default_config`), 16 or fewer where the Gluon form runs. The Gluon form
+(:mod:`.decode_wgmma`, ``FORM="wgmma"``) is the default past 16 rows on Hopper for bf16 queries
+and caches at DeepSeek's widths that the copy engine can read (:func:`wgmma_blocks`): its two
+warp groups split the scores instead of both computing them. Other caches, fp8 layouts and other
+GPUs run the rows form here.
 
 Nothing here reads tensor values on the host, so a call can be captured in a CUDA graph.
 :func:`default_config` picks block sizes and MAX_SPLITS from shapes; :func:`mla_decode_with_config`
@@ -63,8 +63,8 @@ from ._hardware import H200_SMS, hardware, interpreted
 from ._launch import check_runnable
 
 _LAYOUT_IDS = {"bf16": 0, "fp8": 1, "fp8_ds": 2}
-# The Gluon form replaces the rows form past 32 rows on Hopper once a GPU run has checked and
-# timed it; until then it runs where a config asks for it (FORM "wgmma").
+# The Gluon form is the default past 16 rows where it runs (checked and timed on an H200,
+# 2026-12-07); False leaves it to configs that ask for it (FORM "wgmma").
 WGMMA_BY_DEFAULT = True
 _LOG2E = 1.4426950408889634
 

@@ -73,7 +73,6 @@ except (ImportError, AttributeError):  # an older Triton: the launcher never pic
 
 BLOCK_H = 64  # query rows a program: one wgmma M
 BLOCK_N = 64  # keys a block: one TMA box of rows
-GATHER_N = 16  # keys a masked load of the partial block
 NUM_WARPS = 8  # two warp groups
 SHARED_LIMIT = 232448  # bytes of shared memory one CTA may take on sm_90 (227 KB)
 
