@@ -71,7 +71,25 @@ def build_sparse_wgmma(args):
     return sparse_wgmma.compile_for_sm90(args.stages)
 
 
+def build_indexer(args):
+    """The DSA indexer's scores kernel (mlagraph/ops/triton/indexer.py) as decode launches it on
+    fp8 keys (132-byte rows, one token a program, 64 heads of 128): unit strides are constants,
+    as the JIT specialises them."""
+    from mlagraph.ops.triton import indexer
+
+    fn = indexer._logits_kernel
+    types = {"q_ptr": "*bf16", "w_ptr": "*fp32", "k_ptr": "*u8", "req_ptr": "*i32", "pos_ptr": "*i64",
+             "bt_ptr": "*i32", "out_ptr": "*fp32"}
+    consts = dict(sq_d=1, sw_h=1, s_req=1, s_pos=1, sbt_p=1, sk_d=1, FP8=True, DOT_F32=False, INTERPRETED=False,
+                  ALIGN=4, SCALE_F32=True, FP16_DOTS=args.fp16_dots, BLOCK_T=1, BLOCK_H=64, BLOCK_D=128,
+                  BLOCK_N=args.block_n, NUM_STAGES=args.stages, FILL=True, MIN_BLOCKS=4, PREFETCH=args.prefetch,
+                  PAGED_BLOCKS=not args.per_key_pages, EVEN_D=not args.per_key_pages)
+    return _compile(fn, types, consts, ["D", "page_size", "S", "W", "sq_t", "sq_h", "sw_t", "sbt_b", "so_t"], args)
+
+
 def build(args):
+    if args.form == "indexer":
+        return build_indexer(args)
     if args.form == "sparse-wgmma":
         return build_sparse_wgmma(args)
     if args.form == "grouped":
@@ -130,6 +148,17 @@ def sass_text(kernel) -> str:
     return "\n".join(offset.sub("", line).strip() for line in sass.splitlines() if offset.search(line))
 
 
+def loop_lengths(sass: str) -> list[int]:
+    """Instructions in each loop of the SASS (a backward branch's span), longest first: per
+    iteration work, what bounds an issue-bound kernel."""
+    spans = []
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s*(?:@!?U?P\w+\s+)?BRA\b[^;]*?0x([0-9a-f]+)", sass):
+        at, target = int(m.group(1), 16), int(m.group(2), 16)
+        if target < at:
+            spans.append((at - target) // 16 + 1)
+    return sorted(spans, reverse=True)
+
+
 def report(kernel) -> str:
     usage, sass = _cuobjdump(kernel, "--dump-resource-usage", "--dump-sass")
     regs = re.search(r"REG:(\d+)", usage)
@@ -138,12 +167,13 @@ def report(kernel) -> str:
     counts = {op: sass.count(op) for op in ("HGMMA", "HMMA", "UTMALDG", "LDGSTS", "LDL")}
     return (f"registers {regs.group(1) if regs else '?'}, stack {stack.group(1) if stack else '?'} B, shared "
             f"{kernel.metadata.shared} B, copy buffers {max(buffers) if buffers else 0}, "
-            + ", ".join(f"{k} {v}" for k, v in counts.items()))
+            + ", ".join(f"{k} {v}" for k, v in counts.items())
+            + f", longest loops {loop_lengths(sass)[:3]} instructions")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--form", choices=["rows", "keys", "grouped", "wgmma", "sparse-wgmma"], default="keys")
+    p.add_argument("--form", choices=["rows", "keys", "grouped", "wgmma", "sparse-wgmma", "indexer"], default="keys")
     p.add_argument("--tma", action="store_true", help="keys form: whole blocks through tensor descriptors")
     p.add_argument("--layout", choices=["bf16", "fp8", "fp8_ds"], default="bf16")
     p.add_argument("--heads", type=int, default=16)
@@ -154,6 +184,9 @@ def main() -> None:
     p.add_argument("--block-k", type=int, default=128, help="grouped: K columns a step")
     p.add_argument("--persistent", type=int, default=0, help="grouped: the persistent kernel, programs an SM")
     p.add_argument("--overlap", action="store_true", help="wgmma: the next block's scores issued before P @ kv ends")
+    p.add_argument("--prefetch", action="store_true", help="indexer: the explicit one-block prefetch")
+    p.add_argument("--fp16-dots", action="store_true", help="indexer: e4m3 -> fp16 dots")
+    p.add_argument("--per-key-pages", action="store_true", help="indexer: a page lookup per key, D masked")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--splits", type=int, default=2)

@@ -85,8 +85,8 @@ class IndexerConfig:
     min_blocks: int = 4  # fewest key blocks a split takes (fewer splits run for short contexts)
     num_warps: int | None = None
     num_stages: int | None = None
-    fp16_dots: bool = False  # fp8 keys: e4m3 -> fp16 (one hardware conversion a pair) and q
-    # in fp16, instead of e4m3 -> float32 -> q's bf16; opt-in: a |q| past fp16's 65504 overflows
+    fp16_dots: bool = True  # fp8 keys: e4m3 -> fp16 (one hardware conversion a pair) and q
+    # scaled by a power of two into fp16 (exact), instead of e4m3 -> float32 -> q's bf16
     prefetch: bool = False  # scores: load the next key block into registers before scoring
     # this one (a fixed prefetch distance of one block) instead of Triton's pipeliner
     topk_impl: str = "triton"  # "triton" (_select_kernel) or "torch" (torch.topk)
@@ -201,22 +201,58 @@ def _row_scale(p, valid, sk_d, F32_LOAD: tl.constexpr):
 
 
 @triton.jit
+def _into_fp16(qt, wt):
+    """(q, head weights) -> (q * 2^e in fp16, weights * 2^-e), e putting max |q| in [2^14, 2^15):
+    in fp16's range (65504) and exact, bf16's 8 significant bits fitting fp16's 11 (values below
+    max |q| * 2^-24 lose bits, 2^-38 flush to zero: nothing a float32 sum of 128 products keeps).
+    relu(x * 2^e) * w * 2^-e = relu(x) * w, so the scores are unchanged."""
+    q32 = qt.to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(q32), axis=1), axis=0)
+    # floor(log2(amax)) from the exponent bits: exact (0 for amax = 0: no scaling)
+    exp = ((amax.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+    e = tl.minimum(tl.maximum(tl.where(amax > 0, 14 - exp, 0), -126), 126)
+    up = ((e + 127) << 23).to(tl.float32, bitcast=True)  # 2^e, exact
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e
+    return (q32 * up).to(tl.float16), wt * down
+
+
+@triton.jit
 def _key_block(k_ptr, bt_ptr, r, j, j_end, n, d, D, S, page_size, sbt_b, sbt_p, sk_slot, sk_d,
                FP8: tl.constexpr, ALIGN: tl.constexpr, SCALE_F32: tl.constexpr, BLOCK_N: tl.constexpr,
-               GUARD: tl.constexpr):
+               GUARD: tl.constexpr, PAGED_BLOCKS: tl.constexpr, EVEN_D: tl.constexpr):
     """Key block j of request r, raw: (keys [BLOCK_N, BLOCK_D] as stored, fp8 row scales or a
     dummy, valid [BLOCK_N], positions s [BLOCK_N]). GUARD: nothing is read for j >= j_end (the
-    prefetch past a split's last block); without it the caller keeps j < j_end."""
+    prefetch past a split's last block); without it the caller keeps j < j_end. PAGED_BLOCKS:
+    page_size is a multiple of BLOCK_N, so the block lies in one page, looked up once (page_size
+    is a runtime value: a division and a remainder per key were half of the sm_90 loop's
+    instructions). EVEN_D: D == BLOCK_D, no column mask."""
     s = j * BLOCK_N + n
-    in_table = s < S
-    if GUARD:
-        in_table = in_table & (s < j_end * BLOCK_N)
-    page = tl.load(bt_ptr + r * sbt_b + (s // page_size) * sbt_p, mask=in_table, other=-1)
-    valid = page >= 0
-    row = tl.multiple_of((page.to(tl.int64) * page_size + s % page_size) * sk_slot, ALIGN)
-    kt = tl.load(k_ptr + row[:, None] + d[None, :] * sk_d, mask=valid[:, None] & (d < D)[None, :], other=0)
+    if PAGED_BLOCKS:
+        # a tensor even where the interpreter's loop index is a Python int (a mask must be one)
+        start = tl.cast(j, tl.int32) * BLOCK_N
+        in_table = start < S  # S is a multiple of page_size: the whole block or none of it
+        if GUARD:
+            in_table = in_table & (j < j_end)
+        page = tl.load(bt_ptr + r * sbt_b + (start // page_size) * sbt_p, mask=in_table, other=-1)
+        valid = tl.broadcast_to(page, n.shape) >= 0  # [BLOCK_N], one value (the interpreter
+        # turns a vector & a scalar of booleans into integers, which no mask may be)
+        # the block's first row (one 64-bit product) + each key's 32-bit offset in it (hoisted)
+        first = tl.multiple_of((page.to(tl.int64) * page_size + start % page_size) * sk_slot, ALIGN)
+        rows = k_ptr + first + tl.multiple_of(n * sk_slot, ALIGN)
+    else:
+        in_table = s < S
+        if GUARD:
+            in_table = in_table & (s < j_end * BLOCK_N)
+        page = tl.load(bt_ptr + r * sbt_b + (s // page_size) * sbt_p, mask=in_table, other=-1)
+        valid = page >= 0
+        rows = k_ptr + tl.multiple_of((page.to(tl.int64) * page_size + s % page_size) * sk_slot, ALIGN)
+    if EVEN_D:
+        mask = valid[:, None]
+    else:
+        mask = valid[:, None] & (d < D)[None, :]
+    kt = tl.load(rows[:, None] + d[None, :] * sk_d, mask=mask, other=0)
     if FP8:
-        scale = _row_scale(k_ptr + row + D * sk_d, valid, sk_d, SCALE_F32)
+        scale = _row_scale(rows + D * sk_d, valid, sk_d, SCALE_F32)
     else:
         scale = tl.zeros([BLOCK_N], tl.float32)
     return kt, scale, valid, s
@@ -251,6 +287,7 @@ def _logits_kernel(
     SCALE_F32: tl.constexpr, FP16_DOTS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, FILL: tl.constexpr, MIN_BLOCKS: tl.constexpr, PREFETCH: tl.constexpr,
+    PAGED_BLOCKS: tl.constexpr = False, EVEN_D: tl.constexpr = False,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
@@ -279,7 +316,7 @@ def _logits_kernel(
         if DOT_F32:
             qt = qt.to(tl.float32)
         elif FP16_DOTS:
-            qt = qt.to(tl.float16)
+            qt, wt = _into_fp16(qt, wt)
         # The key blocks up to the round's last visible key, shared evenly by the splits (at
         # least MIN_BLOCKS each): the work follows the context, not the block table's width.
         n_vis = tl.minimum(tl.max(tl.where(active, pos, -1)) // BLOCK_N + 1, n_blocks)
@@ -291,18 +328,18 @@ def _logits_kernel(
             # program always has one block in flight whatever the pipeliner would do (it gives
             # these register-consumed loads one or two copy buffers).
             kt, scale, valid, s = _key_block(k_ptr, bt_ptr, r, j_begin, j_end, n, d, D, S, page_size, sbt_b, sbt_p,
-                                             sk_slot, sk_d, FP8, ALIGN, SCALE_F32, BLOCK_N, True)
+                                             sk_slot, sk_d, FP8, ALIGN, SCALE_F32, BLOCK_N, True, PAGED_BLOCKS, EVEN_D)
             for j in tl.range(j_begin, j_end, num_stages=1):  # no pipeliner: the prefetch is explicit
                 kt_next, scale_next, valid_next, s_next = _key_block(
                     k_ptr, bt_ptr, r, j + 1, j_end, n, d, D, S, page_size, sbt_b, sbt_p, sk_slot, sk_d, FP8, ALIGN,
-                    SCALE_F32, BLOCK_N, True)
+                    SCALE_F32, BLOCK_N, True, PAGED_BLOCKS, EVEN_D)
                 _score_block(kt, scale, valid, s, qt, wt, pos, active, out_ptr, t64, so_t, W, FP8, FP16_DOTS,
                              DOT_F32, INTERPRETED, BLOCK_N, BLOCK_T, BLOCK_H)
                 kt, scale, valid, s = kt_next, scale_next, valid_next, s_next
         else:
             for j in tl.range(j_begin, j_end, num_stages=NUM_STAGES):
                 kt, scale, valid, s = _key_block(k_ptr, bt_ptr, r, j, j_end, n, d, D, S, page_size, sbt_b, sbt_p,
-                                                 sk_slot, sk_d, FP8, ALIGN, SCALE_F32, BLOCK_N, False)
+                                                 sk_slot, sk_d, FP8, ALIGN, SCALE_F32, BLOCK_N, False, PAGED_BLOCKS, EVEN_D)
                 _score_block(kt, scale, valid, s, qt, wt, pos, active, out_ptr, t64, so_t, W, FP8, FP16_DOTS,
                              DOT_F32, INTERPRETED, BLOCK_N, BLOCK_T, BLOCK_H)
         if FILL:  # the blocks past every visible key, split the same way: -inf only
@@ -363,6 +400,7 @@ def _scores(q, weights, k_cache, req_ids, positions, block_table, layout, width,
         FP8=fp8, DOT_F32=dot_f32, INTERPRETED=interpreted(_logits_kernel), ALIGN=align,
         SCALE_F32=scale_f32, FP16_DOTS=fp8 and cfg.fp16_dots and not dot_f32, BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_D=block_d, BLOCK_N=block_n, NUM_STAGES=num_stages, FILL=fill, MIN_BLOCKS=min_blocks, PREFETCH=cfg.prefetch,
+        PAGED_BLOCKS=page_size % block_n == 0, EVEN_D=head_dim == block_d,
         num_warps=num_warps,
     )
     return out

@@ -250,7 +250,7 @@ CONFIGS = [
     dict(block_t=4, block_n=16, splits=3, min_blocks=1),  # groups spanning requests, 3 splits
     dict(block_t=2, block_n=16, splits=2, min_blocks=1, topk_impl="torch"),  # -inf fill, split
     dict(block_t=1, block_n=16, max_tile=16, select_chunk=16),  # streamed selection
-    dict(block_t=1, block_n=16, fp16_dots=True),  # fp8 keys widened to fp16, q in fp16
+    dict(block_t=1, block_n=16, fp16_dots=False),  # fp8 keys -> float32 -> bf16, q's dtype
     dict(block_t=2, block_n=16, splits=2, min_blocks=1, prefetch=True),  # next block in registers
 ]
 GPU_CONFIGS = [
@@ -258,8 +258,8 @@ GPU_CONFIGS = [
     dict(block_t=2, block_n=128, num_warps=8, topk_impl="torch"),
     dict(block_t=1, block_n=64, num_stages=3, max_tile=4096, select_chunk=2048),
     dict(block_t=1, block_n=128, num_warps=8, num_stages=5, splits=1),
-    dict(block_t=1, block_n=64, fp16_dots=True),
-    dict(block_t=4, block_n=64, fp16_dots=True),
+    dict(block_t=1, block_n=64, fp16_dots=False),
+    dict(block_t=4, block_n=64, fp16_dots=False),
     dict(block_t=1, block_n=64, prefetch=True),
     dict(block_t=4, block_n=128, num_warps=8, prefetch=True, splits=3),
 ]
@@ -273,6 +273,18 @@ def test_topk_configs(device, which):
     config = kernels().IndexerConfig(**configs[which % len(configs)], poison_scores=True)
     picked = kernels().indexer_topk(*args, config=config)
     check_picks(picked, scores, mags, args[-1])
+
+
+@pytest.mark.parametrize("q_scale", [2.0 ** -60, 2.0 ** 40])
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_topk_fp8_any_q_magnitude(device, q_scale, batch):
+    """fp8 keys dot q in fp16 (the default): q is scaled by a power of two into fp16's range, so
+    a q far past 65504 or below fp16's smallest normal picks the same keys (bf16 q: the scaling
+    is exact)."""
+    args = topk_case(device, "fp8", torch.uint8, torch.bfloat16, batch=batch, seed=5)
+    args[0] = (args[0].float() * q_scale).to(torch.bfloat16)
+    scores, mags = oracle(args)
+    check_picks(tri_topk(*args), scores, mags, args[-1])
 
 
 def test_topk_unaligned_fp8_cache(device):
