@@ -50,6 +50,12 @@ selection, whose later passes hit registers or L1): 6% of an fp8 key's 132 B. Co
 2 * Hi * D FLOPs per (token, key), 124 FLOP per fp8 key byte at Hi = 64, D = 128, close to the
 H200's bf16 ridge (~160): decode at 32K is near both limits; prefill is compute-bound.
 
+Stage 1's work per key block (sm_90 build): one page lookup when page_size is a multiple of
+BLOCK_N (a division per key was half the loop), 32-bit key offsets from the block's first row,
+and fp8 keys widened to fp16 for a dot with q scaled by a power of two into fp16's range
+(``_into_fp16``; ``fp16_dots=False`` widens to bf16 instead): 363 instructions a 64-key block,
+was 1,032.
+
 Stage 1's loads: by default Triton's pipeliner prefetches the key blocks; ``prefetch=True``
 instead loads block j + 1 into registers before block j is scored (an H100 run of 2026-12-07
 had the default's scores stage at 523 of the op's 597 us, 1.06 TB/s; built for sm_90 offline,
