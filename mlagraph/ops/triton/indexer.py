@@ -431,19 +431,28 @@ def _row_keys(src, offs, W):
 
 
 @triton.jit
-def _kth_in_tile(src, n_cols, K, TILE: tl.constexpr):
-    """(thr, count above thr) for the row's first n_cols keys, held in registers."""
-    keys = _row_keys(src, tl.arange(0, TILE), n_cols)
-    # thr = the largest key with count(keys >= thr) >= K, i.e. the K-th largest, one bit at a
-    # time from the top. The last failed candidate is thr + 1, so its count is count(keys > thr).
+def _bit_step(cnt, cand, K, thr, n_above, bit):
+    """One bit of the K-th largest key, from the top: ``cnt`` keys are >= ``cand`` (= thr | bit).
+    thr = the largest key with count(keys >= thr) >= K; the last failed candidate is thr + 1, so
+    its count is count(keys > thr). Where exactly K keys are >= cand, those K are the winners:
+    thr = cand - 1 with all K above it, and the search stops (bit 0) - most rows of distinct
+    scores stop well before the 32nd bit."""
+    n_above = tl.where(cnt >= K, n_above, cnt)
+    thr = tl.where(cnt >= K, cand, thr)
+    exact = cnt == K
+    return (tl.where(exact, cand - 1, thr), tl.where(exact, K, n_above),
+            tl.where(exact, tl.zeros_like(bit), bit >> 1))
+
+
+@triton.jit
+def _kth_in_tile(keys, K):
+    """(thr, count above thr) of order keys [TILE] held in registers (padding: 0)."""
     thr = tl.zeros([], tl.uint32)
     n_above = tl.zeros([], tl.int32)
     bit = tl.full([], 0x80000000, tl.uint32)
-    for _ in range(32):
-        cnt = tl.sum((keys >= (thr | bit)).to(tl.int32))
-        n_above = tl.where(cnt >= K, n_above, cnt)
-        thr = tl.where(cnt >= K, thr | bit, thr)
-        bit = bit >> 1
+    while bit != 0:
+        cand = thr | bit
+        thr, n_above, bit = _bit_step(tl.sum((keys >= cand).to(tl.int32)), cand, K, thr, n_above, bit)
     return thr, n_above
 
 
@@ -453,14 +462,32 @@ def _kth_streamed(src, n_cols, K, CHUNK: tl.constexpr):
     thr = tl.zeros([], tl.uint32)
     n_above = tl.zeros([], tl.int32)
     bit = tl.full([], 0x80000000, tl.uint32)
-    for _ in range(32):
+    while bit != 0:
+        cand = thr | bit
         cnt = tl.zeros([], tl.int32)
         for c in range(0, n_cols, CHUNK):
-            cnt += tl.sum((_row_keys(src, c + tl.arange(0, CHUNK), n_cols) >= (thr | bit)).to(tl.int32))
-        n_above = tl.where(cnt >= K, n_above, cnt)
-        thr = tl.where(cnt >= K, thr | bit, thr)
-        bit = bit >> 1
+            cnt += tl.sum((_row_keys(src, c + tl.arange(0, CHUNK), n_cols) >= cand).to(tl.int32))
+        thr, n_above, bit = _bit_step(cnt, cand, K, thr, n_above, bit)
     return thr, n_above
+
+
+@triton.jit
+def _winners_to(dst, k, offs, n_cols, thr, n_above, need, seen_above, seen_equal):
+    """Keys k of columns offs that win, packed (signed key << 32 | column) into the scratch row:
+    the ones above thr at ranks seen_above.., then the first ``need`` equal ones after all
+    n_above. One scan: the two running counts share an int32 (above in the low 16 bits, equal
+    in the high 16; a chunk has at most 32K columns, see _select_triton). Returns the counts
+    with this chunk's added."""
+    above = k > thr
+    equal = (k == thr) & (offs < n_cols)
+    both = tl.cumsum(above.to(tl.int32) + (equal.to(tl.int32) << 16), 0).to(tl.uint32, bitcast=True)
+    rank_above = seen_above + (both & 0xFFFF).to(tl.int32) - 1
+    rank_equal = seen_equal + (both >> 16).to(tl.int32) - 1
+    signed = (k ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
+    packed = (signed << 32) | offs.to(tl.int64)
+    slot = tl.where(above, rank_above, n_above + rank_equal)
+    tl.store(dst + slot, packed, mask=above | (equal & (rank_equal < need)))
+    return seen_above + tl.sum(above.to(tl.int32)), seen_equal + tl.sum(equal.to(tl.int32))
 
 
 @triton.jit
@@ -470,36 +497,27 @@ def _select_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     src = s_ptr + row * ss_t
+    dst = tmp_ptr + row * st_t
     # Only columns 0..positions[row] (and < S) can hold a visible key; the rest is not read.
     n_cols = tl.minimum(tl.maximum(tl.load(pos_ptr + row * s_pos) + 1, 0), S).to(tl.int32)
-    if n_cols <= TILE and n_cols > TILE // 4:  # a short row would waste most of the tile
-        thr, n_above = _kth_in_tile(src, n_cols, K, TILE)
+    zero = tl.zeros([], tl.int32)
+    # The K-th largest key (thr) and how many are above it; the winners are those above and
+    # the first K - n_above equal to it (>= 1 of them when n_cols >= K), compacted into the
+    # scratch row.
+    if n_cols <= TILE and n_cols > TILE // 4:  # the row in registers (a short one would waste the tile)
+        thr, n_above = _kth_in_tile(_row_keys(src, tl.arange(0, TILE), n_cols), K)
     else:
         thr, n_above = _kth_streamed(src, n_cols, K, CHUNK)
-    need = K - n_above  # how many of the keys equal to thr are picked (>= 1 if n_cols >= K)
-
-    # Compact the winners as (signed key << 32 | column) into the scratch row: the ones above
-    # thr first, then the first `need` equal ones.
-    dst = tmp_ptr + row * st_t
-    seen_above = tl.zeros([], tl.int32)
-    seen_equal = tl.zeros([], tl.int32)
+    # compacted a chunk at a time, re-read from L1/L2 (a whole tile's scan in registers spills)
+    seen_above, seen_equal = zero, zero
     for c in range(0, n_cols, CHUNK):
         offs = c + tl.arange(0, CHUNK)
-        k = _row_keys(src, offs, n_cols)
-        above = k > thr
-        equal = (k == thr) & (offs < n_cols)
-        rank_above = seen_above + tl.cumsum(above.to(tl.int32), 0) - 1
-        rank_equal = seen_equal + tl.cumsum(equal.to(tl.int32), 0) - 1
-        signed = (k ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
-        packed = (signed << 32) | offs.to(tl.int64)
-        slot = tl.where(above, rank_above, n_above + rank_equal)
-        tl.store(dst + slot, packed, mask=above | (equal & (rank_equal < need)))
-        seen_above += tl.sum(above.to(tl.int32))
-        seen_equal += tl.sum(equal.to(tl.int32))
+        seen_above, seen_equal = _winners_to(dst, _row_keys(src, offs, n_cols), offs, n_cols, thr, n_above,
+                                             K - n_above, seen_above, seen_equal)
     tl.debug_barrier()  # the scratch row is re-read by other threads of this program
 
     i = tl.arange(0, BLOCK_K)
-    written = n_above + tl.minimum(seen_equal, need)  # < K for a row shorter than K
+    written = n_above + tl.minimum(seen_equal, K - n_above)  # < K for a row shorter than K
     picked = tl.sort(tl.load(dst + i, mask=i < written, other=-9223372036854775808), descending=True)
     neg_inf = (_order_key(tl.full([], float("-inf"), tl.float32)) ^ 0x80000000).to(tl.int32, bitcast=True)
     res = tl.where((picked >> 32) > neg_inf.to(tl.int64), picked.to(tl.int32), -1)
@@ -510,7 +528,8 @@ def _select_triton(scores, positions, max_len, topk, out, cfg):
     """out[t] <- the topk best of scores[t, :min(positions[t] + 1, max_len)], -1 padded."""
     rows = scores.shape[0]
     tile = min(triton.next_power_of_2(max(1, max_len)), cfg.max_tile)
-    chunk = min(tile, cfg.select_chunk)
+    # <= 32K columns a chunk: _winners_to's running counts are 16-bit fields of one int32
+    chunk = min(tile, cfg.select_chunk, 32768)
     block_k = _pow2_at_least(topk, 16)
     num_warps = 16 if tile >= 16384 else 8 if tile >= 4096 else 4
     scratch = torch.empty((rows, block_k), dtype=torch.int64, device=scores.device)
