@@ -453,10 +453,7 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
     )
     fp8_scale = scale if layout == "fp8" else None
     if cfg["FORM"] == "wgmma":
-        need = decode_wgmma.shared_bytes(latent, rope, cfg["num_stages"])
-        if need > decode_wgmma.SHARED_LIMIT:
-            raise ValueError(f"mla_decode config: FORM 'wgmma' with num_stages {cfg['num_stages']} needs {need} B of "
-                             f"shared memory at kv_lora_rank {latent}, over the {decode_wgmma.SHARED_LIMIT} B an SM has")
+        decode_wgmma.check_stages("mla_decode", cfg["num_stages"], latent, rope)
         descs = decode_wgmma.cache_descriptors(kv_cache, latent, rope)
         decode_wgmma._split_wgmma_kernel[grid](
             q_nope, q_pe, kv_cache, *descs, block_table, seq_lens, part_out, part_lse, *common,

@@ -83,6 +83,15 @@ def shared_bytes(latent: int, rope: int, stages: int) -> int:
     return 2 * (BLOCK_H * (latent + rope) + stages * BLOCK_N * (latent + rope) + BLOCK_H * BLOCK_N) + 1024
 
 
+def check_stages(op: str, stages: int, latent: int, rope: int) -> None:
+    """A ValueError naming ``op`` unless 1 <= stages and their key blocks fit an SM's shared
+    memory beside q and P (the dense and the sparse kernels hold the same buffers)."""
+    need = shared_bytes(latent, rope, stages)
+    if stages < 1 or need > SHARED_LIMIT:
+        raise ValueError(f"{op} config: FORM 'wgmma' needs num_stages >= 1 within {SHARED_LIMIT} B of shared "
+                         f"memory, got {stages} ({need} B at kv_lora_rank {latent})")
+
+
 def why_not(q_nope, kv_cache, layout: str, latent: int, rope: int) -> str | None:
     """Why a Gluon kernel here (this one or :mod:`.sparse_wgmma`) cannot run a call (None: as far
     as what they share goes, it can): Gluon present, a Hopper GPU, bf16 queries and cache,

@@ -234,10 +234,7 @@ def _sparse_wgmma(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, la
         raise ValueError(f"sparse_mla config: FORM 'wgmma' takes only num_stages, got {sorted(unknown)}")
     stages = config.get("num_stages", 2)
     latent, rope = q_nope.shape[-1], q_pe.shape[-1]
-    need = decode_wgmma.shared_bytes(latent, rope, stages)
-    if stages < 1 or need > decode_wgmma.SHARED_LIMIT:
-        raise ValueError(f"sparse_mla config: FORM 'wgmma' needs num_stages >= 1 within {decode_wgmma.SHARED_LIMIT} B "
-                         f"of shared memory, got {stages} ({need} B at kv_lora_rank {latent})")
+    decode_wgmma.check_stages("sparse_mla", stages, latent, rope)
     num_tokens, num_heads = q_nope.shape[:2]
     page_size = kv_cache.shape[1]
     grid = (num_tokens * triton.cdiv(num_heads, sparse_wgmma.BLOCK_H),)

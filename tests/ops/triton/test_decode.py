@@ -465,6 +465,17 @@ def test_wgmma_config_is_checked():
     assert few["FORM"] == "wgmma" and few["MAX_SPLITS"] == 1  # 128 programs: one wave
 
 
+@pytest.mark.parametrize("op", ["mla_decode", "sparse_mla"])
+@pytest.mark.parametrize("stages", [0, 3])
+def test_wgmma_stages_checked(op, stages):
+    """The Gluon kernels' stage count, shared by the dense and sparse launchers: none, or more
+    key blocks than an SM's shared memory holds beside q and P, is refused naming the op."""
+    decode_wgmma = importlib.import_module("mlagraph.ops.triton.decode_wgmma")
+    decode_wgmma.check_stages(op, 2, 512, 64)  # the default fits
+    with pytest.raises(ValueError, match=rf"{op} config: FORM 'wgmma' needs num_stages >= 1 .*got {stages}"):
+        decode_wgmma.check_stages(op, stages, 512, 64)
+
+
 def test_wgmma_kernel_builds_for_sm90():
     """Compiled for sm_90 offline with this machine's Triton (no GPU needed): Gluon's API moves
     between Triton releases, so CI builds the kernel it cannot run. Warp-group MMAs only, and
