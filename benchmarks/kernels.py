@@ -516,11 +516,9 @@ def bench_sparse(rows, args, g):
     run.peer("aiter", lambda: aiter_peers.sparse_runner(q_nope, q_pe, cache, idx, req, table, SM_SCALE), check)
 
 
-def bench_indexer(rows, args, g):
-    """DSA indexer at decode: 128 requests, one new token each, 32K cached fp8 keys, top 2048."""
-    b, ctx, hi, d, topk, ps = 128, 32768, 64, 128, 2048, 64
-    name = f"indexer_topk decode B={b} L={ctx} fp8"
-    print(name, flush=True)
+def indexer_decode_case(b: int, ctx: int, hi: int = 64, d: int = 128, ps: int = 64):
+    """(q, weights, k_cache, req_ids, positions, block_table) for b requests decoding one token
+    each after ctx fp8 index keys (shuffled pages of ps)."""
     pages = ctx // ps
     k_cache = torch.empty(b * pages * ps, d + 4, dtype=torch.uint8, device="cuda")
     for i in range(0, k_cache.shape[0], 1 << 18):
@@ -532,6 +530,15 @@ def bench_indexer(rows, args, g):
     w = torch.rand(b, hi, device="cuda") * (d ** -0.5) * (hi ** -0.5)
     req = torch.arange(b, dtype=torch.int32, device="cuda")
     positions = torch.full((b,), ctx - 1, device="cuda")
+    return q, w, k_cache, req, positions, table
+
+
+def bench_indexer(rows, args, g):
+    """DSA indexer at decode: 128 requests, one new token each, 32K cached fp8 keys, top 2048."""
+    b, ctx, hi, d, topk = 128, 32768, 64, 128, 2048
+    name = f"indexer_topk decode B={b} L={ctx} fp8"
+    print(name, flush=True)
+    q, w, k_cache, req, positions, table = indexer_decode_case(b, ctx, hi, d)
     args_ = (q, w, k_cache, req, positions, table, "fp8", topk)
     nbytes = b * ctx * (d + 4) + q.numel() * 2 + w.numel() * 4 + b * topk * 4
     flops = 2 * hi * d * b * ctx

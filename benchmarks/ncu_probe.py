@@ -53,23 +53,12 @@ def decode(h: int, g) -> None:
 
 
 def indexer(g) -> None:
-    from kernels import _indexer_scores, rel_err
+    from kernels import _indexer_scores, indexer_decode_case, rel_err
 
-    from mlagraph.ops import layouts
     from mlagraph.ops.triton import indexer as tix
 
-    b, ctx, hi, d, ps = 128, 32768, 64, 128, 64
-    pages = ctx // ps
-    k_cache = torch.empty(b * pages * ps, d + 4, dtype=torch.uint8, device="cuda")
-    for i in range(0, k_cache.shape[0], 1 << 18):
-        n = min(1 << 18, k_cache.shape[0] - i)
-        k_cache[i : i + n] = layouts.quantize_index_keys("fp8", torch.randn(n, d, device="cuda"), torch.uint8)
-    k_cache = k_cache.view(b * pages, ps, d + 4)
-    table = torch.randperm(b * pages, device="cuda").to(torch.int32).view(b, pages)
-    q = torch.randn(b, hi, d, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(b, hi, device="cuda") * (d ** -0.5) * (hi ** -0.5)
-    req = torch.arange(b, dtype=torch.int32, device="cuda")
-    positions = torch.full((b,), ctx - 1, device="cuda")
+    ctx = 32768
+    q, w, k_cache, req, positions, table = indexer_decode_case(128, ctx)
     want = _indexer_scores(q[:4], w[:4], k_cache, table[:4], ctx)
     sms = tix.hardware(q.device).num_sms
     for label, cfg in (("default", tix.IndexerConfig()), ("bf16 dots", tix.IndexerConfig(fp16_dots=False)),
