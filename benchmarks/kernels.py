@@ -615,6 +615,20 @@ def _indexer_stages(rows, name, args_, ref_scores, sub, check):
     sel.run("triton stage 2: select", select, check)
     sel.run("torch.topk on the same scores", select_torch, check)
 
+    def flashinfer_topk(sorted_: bool):
+        """FlashInfer's radix top-k (flashinfer.top_k; unsorted by default) on the same scores,
+        its int64 indices copied into the op's int32 output."""
+        import flashinfer
+
+        def call():
+            out.copy_(flashinfer.top_k(s, topk, sorted=sorted_)[1])
+            return out
+        return call
+
+    # ours returns the picks in descending order (the op's contract); FlashInfer both ways
+    sel.peer("flashinfer top_k on the same scores, sorted", lambda: flashinfer_topk(True), check)
+    sel.peer("flashinfer top_k on the same scores, unsorted", lambda: flashinfer_topk(False), check)
+
 
 def _indexer_scores(q, w, k_cache, table, ctx):
     """Exact float32 scores [n, ctx] of each token's keys (for the check only)."""
