@@ -210,9 +210,10 @@ def default_config(batch: int, rows: int, max_len: int, kv_lora_rank: int, layou
 
     - wgmma, more than 16 rows: the Gluon form (:mod:`.decode_wgmma`), 64 rows and 64 keys a
       block, 8 warps, 2 stages (224 KB of shared memory at L=512: one CTA an SM); splits by the
-      wave rule over one CTA an SM, each split at least 2 key blocks, and at least 2 splits past
-      32 rows. H200, 2026-12-07, B=128 L=4096: H=128 404 us (rows form 690, FlashMLA 224),
-      H=64 212 (rows 364), H=32 186 and H=24 192 (keys form 221 / 222).
+      wave rule over one CTA an SM, each split at least 2 key blocks. H200, 2026-12-07, B=128
+      L=4096 (2 splits past 32 rows then): H=128 404 us (rows form 690, FlashMLA 224), H=64 212
+      (rows 364), H=32 186 and H=24 192 (keys form 221 / 222). H100, same day, one split (the
+      wave rule's pick): H=128 370 us (FlashMLA 239), L=1151 132 (FlashMLA 80).
 
     - keys_tma, a bf16 cache, 32 rows or fewer (H=16 at s_q 1, a TP shard's heads; 16 or fewer
       where the Gluon form runs), bf16 or fp16 queries: the keys-major form (:mod:`.decode_keys`) with TMA, BLOCK_N 64, 4 warps, 2
@@ -273,11 +274,10 @@ def default_config(batch: int, rows: int, max_len: int, kv_lora_rank: int, layou
 def _wgmma_config(batch: int, rows: int, max_len: int, num_sms: int) -> dict:
     """The Gluon form's config (see :func:`default_config`)."""
     cap = max(1, min(64, triton.cdiv(max_len, decode_wgmma.BLOCK_N) // 2))
+    # The wave rule alone. An H100 run of 2026-12-07 timed the single split it picks at H=128,
+    # B=128 against the 2 splits an earlier rule forced past 32 rows: L=4096 370 / 415 us (s_q
+    # 2: 726 / 797), L=1151 132 / 177.
     splits = _pick_splits(batch * triton.cdiv(rows, decode_wgmma.BLOCK_H), num_sms, cap)
-    if rows > 32:
-        # At least 2 splits past 32 rows: what the H200 run of 2026-12-07 timed at H=64 and 128
-        # (B=128, L=4096: 212 / 404 us; a single split, the wave rule's pick there, is untimed).
-        splits = max(splits, min(2, cap))
     return {"BLOCK_H": decode_wgmma.BLOCK_H, "BLOCK_N": decode_wgmma.BLOCK_N, "num_warps": decode_wgmma.NUM_WARPS,
             "num_stages": 2, "MAX_SPLITS": splits, "FP16_DOT": False, "FORM": "wgmma", "TMA": True}
 
