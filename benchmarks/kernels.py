@@ -555,7 +555,7 @@ def bench_indexer(rows, args, g):
 
     run = Runner(rows, name, flops, nbytes, tol=1e-2)
     run.run("triton", lambda: OURS.indexer_topk(*args_), check)
-    _indexer_stages(rows, name, args_, ref_scores, sub, check)
+    scores = _indexer_stages(rows, name, args_, ref_scores, sub, check)
     tix = kernels("indexer")
     # where the scores stage could go faster: fp16 dots (e4m3 -> fp16 is one conversion), wider
     # key blocks, more warps, shallower pipelines, twice or half the splits (default 17 here)
@@ -578,6 +578,7 @@ def bench_indexer(rows, args, g):
     # program (and its real DSA top-k is a HIP kernel), so it is left out here.
     run.peer("aiter", lambda: aiter_peers.indexer_runner(*args_, aiter_topk=False), check,
              note="aiter logits + torch.topk")
+    _flashinfer_topk_rows(rows, name, scores, topk, check)
 
 
 def _indexer_stages(rows, name, args_, ref_scores, sub, check):
@@ -614,18 +615,25 @@ def _indexer_stages(rows, name, args_, ref_scores, sub, check):
     sel = Runner(rows, name, 0.0, s.numel() * 4, tol=1e-2)
     sel.run("triton stage 2: select", select, check)
     sel.run("torch.topk on the same scores", select_torch, check)
+    return s
+
+
+def _flashinfer_topk_rows(rows, name, scores, topk, check):
+    """FlashInfer's radix top-k (flashinfer.top_k, unsorted by default) on our scores, its int64
+    indices copied into an int32 output; ours returns the picks in descending order (the op's
+    contract), FlashInfer's both ways. Last in the workload: its first call JIT-compiles for
+    minutes, and a run cut there keeps every other row."""
+    out = torch.empty((scores.shape[0], topk), dtype=torch.int32, device=scores.device)
 
     def flashinfer_topk(sorted_: bool):
-        """FlashInfer's radix top-k (flashinfer.top_k; unsorted by default) on the same scores,
-        its int64 indices copied into the op's int32 output."""
         import flashinfer
 
         def call():
-            out.copy_(flashinfer.top_k(s, topk, sorted=sorted_)[1])
+            out.copy_(flashinfer.top_k(scores, topk, sorted=sorted_)[1])
             return out
         return call
 
-    # ours returns the picks in descending order (the op's contract); FlashInfer both ways
+    sel = Runner(rows, name, 0.0, scores.numel() * 4, tol=1e-2)
     sel.peer("flashinfer top_k on the same scores, sorted", lambda: flashinfer_topk(True), check)
     sel.peer("flashinfer top_k on the same scores, unsorted", lambda: flashinfer_topk(False), check)
 
