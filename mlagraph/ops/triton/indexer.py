@@ -487,7 +487,8 @@ def _winners_to(dst, k, offs, n_cols, thr, n_above, need, seen_above, seen_equal
     packed = (signed << 32) | offs.to(tl.int64)
     slot = tl.where(above, rank_above, n_above + rank_equal)
     tl.store(dst + slot, packed, mask=above | (equal & (rank_equal < need)))
-    return seen_above + tl.sum(above.to(tl.int32)), seen_equal + tl.sum(equal.to(tl.int32))
+    total = tl.max(both)  # the inclusive scan's last value: both counts in one reduction
+    return seen_above + (total & 0xFFFF).to(tl.int32), seen_equal + (total >> 16).to(tl.int32)
 
 
 @triton.jit
