@@ -371,6 +371,39 @@ def mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, sof
     return mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, softmax_scale)
 
 
+def _launch_config(q_nope, kv_cache, layout: str, batch: int, rows: int, max_len: int, rope: int,
+                   config: dict) -> dict:
+    """The config a call runs: the form (the keys-major TMA form up to 32 rows and the Gluon form
+    past 16 where they apply and the caller picked no form; the Gluon form at any row count
+    where asked for), its defaults, then the caller's overrides, checked."""
+    latent = q_nope.shape[-1]
+    picked = {"FORM", "TMA"} & set(config)
+    on_gpu = q_nope.device.type == "cuda"
+    keys_tma = on_gpu and layout == "bf16" and rows <= 32 and not picked and tma_blocks(kv_cache, latent, rope, 64) is None
+    asked = config.get("FORM") == "wgmma"
+    wgmma = asked or (WGMMA_BY_DEFAULT and not picked and rows > 16 and on_gpu)
+    if wgmma:
+        why = wgmma_blocks(q_nope, kv_cache, layout, latent, rope)
+        if why is not None and asked:
+            raise ValueError(f"mla_decode config: FORM 'wgmma' asked for, but {why}")
+        wgmma = why is None
+    if asked:  # at any row count (<= 32 rows pad the 64-row block)
+        cfg = _wgmma_config(batch, rows, max_len, _num_sms(q_nope.device))
+    else:
+        cfg = default_config(batch, rows, max_len, latent, layout, q_nope.dtype, _num_sms(q_nope.device), keys_tma,
+                             wgmma)
+    cfg.update(config)
+    if cfg["TMA"] and cfg["FORM"] == "keys" and "num_stages" not in config:
+        cfg["num_stages"] = max(2, cfg["num_stages"])  # TMA copies run pipelined (see _check_config)
+    _check_config(cfg, config)
+    if cfg["FORM"] == "keys" and layout != "bf16" and (_dot_width(latent) < 64 or layout == "fp8_ds" and latent > 512):
+        # decode_keys_fp8 reads the latent in four chunks of at least 16 columns, and an fp8_ds
+        # chunk must lie inside one 128-column scale group.
+        raise ValueError(f"mla_decode config: FORM 'keys' with a {layout!r} cache needs kv_lora_rank "
+                         f"{'64..512' if layout == 'fp8_ds' else '>= 64'}, got {latent}")
+    return cfg
+
+
 def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, layout, softmax_scale,
                            config: dict | None = None):
     """:func:`mla_decode` with optional overrides of :func:`default_config`'s keys (BLOCK_H,
@@ -393,32 +426,7 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
     if batch == 0 or rows == 0:
         return out, lse
 
-    # The keys-major TMA form (<= 32 rows) and the Gluon form (more rows) are the defaults where
-    # they apply and the caller picked no form.
-    picked = {"FORM", "TMA"} & set(config or {})
-    keys_tma = (q_nope.device.type == "cuda" and layout == "bf16" and rows <= 32 and not picked
-                and tma_blocks(kv_cache, latent, rope, 64) is None)
-    asked = (config or {}).get("FORM") == "wgmma"
-    wgmma = asked or (WGMMA_BY_DEFAULT and not picked and rows > 16 and q_nope.device.type == "cuda")
-    if wgmma:
-        why = wgmma_blocks(q_nope, kv_cache, layout, latent, rope)
-        if why is not None and asked:
-            raise ValueError(f"mla_decode config: FORM 'wgmma' asked for, but {why}")
-        wgmma = why is None
-    if asked:  # at any row count (<= 32 rows pad the 64-row block)
-        cfg = _wgmma_config(batch, rows, max_len, _num_sms(q_nope.device))
-    else:
-        cfg = default_config(batch, rows, max_len, latent, layout, q_nope.dtype, _num_sms(q_nope.device), keys_tma,
-                             wgmma)
-    cfg.update(config or {})
-    if cfg["TMA"] and cfg["FORM"] == "keys" and "num_stages" not in (config or {}):
-        cfg["num_stages"] = max(2, cfg["num_stages"])  # TMA copies run pipelined (see _check_config)
-    _check_config(cfg, config or {})
-    if cfg["FORM"] == "keys" and layout != "bf16" and (_dot_width(latent) < 64 or layout == "fp8_ds" and latent > 512):
-        # decode_keys_fp8 reads the latent in four chunks of at least 16 columns, and an fp8_ds
-        # chunk must lie inside one 128-column scale group.
-        raise ValueError(f"mla_decode config: FORM 'keys' with a {layout!r} cache needs kv_lora_rank "
-                         f"{'64..512' if layout == 'fp8_ds' else '>= 64'}, got {latent}")
+    cfg = _launch_config(q_nope, kv_cache, layout, batch, rows, max_len, rope, config or {})
     block_h, block_n, max_splits = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["MAX_SPLITS"]
 
     if kv_cache.stride(-1) != 1:  # rows are read as contiguous runs of bytes / values
