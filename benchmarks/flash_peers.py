@@ -132,7 +132,7 @@ def bench_flash(rows, args, g):
         if h * s_q > 16:
             # The Gluon form (the default on Hopper past 16 rows) against the forms it replaced.
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
-                  [{"FORM": "rows"}, {"FORM": "wgmma", "MAX_SPLITS": 1}, {"FORM": "wgmma", "num_stages": 1},
+                  [{"FORM": "rows"}, {"FORM": "wgmma", "MAX_SPLITS": 2}, {"FORM": "wgmma", "num_stages": 1},
                    {"FORM": "wgmma", "OVERLAP": True}]
                   + ([{**KEYS_SWEEP_BASE, "BLOCK_H": 32}] if h * s_q <= 32 else []), graphs=True)
         mirrors = {table: table.cpu(), lens: lens.cpu()}
@@ -165,11 +165,12 @@ def bench_flash(rows, args, g):
         run.run("triton", triton_op, check, graph_fns=[triton_op])
         if h >= 24:
             # The keys-major form in row blocks of 16 or 32 (each block re-reads the keys, mostly
-            # from L2) and the rows form against the default (the Gluon form past 16 rows, which
-            # pads the 64-row block at 24-32).
+            # from L2), the rows form, and the Gluon form at 2 splits against the default (the
+            # Gluon form past 16 rows, which pads the 64-row block at 24-32; the wave rule's
+            # splits, one here).
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
                   [{**KEYS_SWEEP_BASE, "BLOCK_H": bh, "MAX_SPLITS": sp} for bh in (16, 32) for sp in (1, 2)]
-                  + [{"FORM": "rows"}], graphs=True)
+                  + [{"FORM": "rows"}, {"FORM": "wgmma", "MAX_SPLITS": 2}], graphs=True)
         run.peer("flashmla raw", lambda: _raw_flashmla_decode(q_nope, q_pe, cache, table, lens, "bf16"), check)
         run.peer("flashinfer raw", lambda: _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens), check)
         del cache, table, lens, q_nope, q_pe, args_, check
