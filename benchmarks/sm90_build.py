@@ -4,6 +4,7 @@ report what the build holds.
     python benchmarks/sm90_build.py --form keys --tma --layout fp8 --block-n 32 --warps 8 --stages 4
     python benchmarks/sm90_build.py --form grouped --block-m 16 --block-n 32 --block-k 512 --stages 3
     python benchmarks/sm90_build.py --form grouped --layout fp8 --block-m 64 --block-n 128 --persistent 2
+    python benchmarks/sm90_build.py --form indexer --block-n 64 --stages 5   # the op's fp8 decode config
 
 Prints registers, stack frame (spills), shared memory, wgmma (HGMMA) and mma.sync (HMMA) counts,
 copy-engine loads (UTMALDG), spill loads (LDL) from the cubin's SASS, and the number of copy
@@ -81,7 +82,7 @@ def build_indexer(args):
     types = {"q_ptr": "*bf16", "w_ptr": "*fp32", "k_ptr": "*u8", "req_ptr": "*i32", "pos_ptr": "*i64",
              "bt_ptr": "*i32", "out_ptr": "*fp32"}
     consts = dict(sq_d=1, sw_h=1, s_req=1, s_pos=1, sbt_p=1, sk_d=1, FP8=True, DOT_F32=False, INTERPRETED=False,
-                  ALIGN=4, SCALE_F32=True, FP16_DOTS=args.fp16_dots, BLOCK_T=1, BLOCK_H=64, BLOCK_D=128,
+                  ALIGN=4, SCALE_F32=True, FP16_DOTS=not args.bf16_dots, BLOCK_T=1, BLOCK_H=64, BLOCK_D=128,
                   BLOCK_N=args.block_n, NUM_STAGES=args.stages, FILL=True, MIN_BLOCKS=4, PREFETCH=args.prefetch,
                   PAGED_BLOCKS=not args.per_key_pages, EVEN_D=not args.per_key_pages)
     return _compile(fn, types, consts, ["D", "page_size", "S", "W", "sq_t", "sq_h", "sw_t", "sbt_b", "so_t"], args)
@@ -185,7 +186,7 @@ def main() -> None:
     p.add_argument("--persistent", type=int, default=0, help="grouped: the persistent kernel, programs an SM")
     p.add_argument("--overlap", action="store_true", help="wgmma: the next block's scores issued before P @ kv ends")
     p.add_argument("--prefetch", action="store_true", help="indexer: the explicit one-block prefetch")
-    p.add_argument("--fp16-dots", action="store_true", help="indexer: e4m3 -> fp16 dots")
+    p.add_argument("--bf16-dots", action="store_true", help="indexer: e4m3 -> bf16 dots (fp16_dots=False)")
     p.add_argument("--per-key-pages", action="store_true", help="indexer: a page lookup per key, D masked")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)

@@ -209,9 +209,10 @@ def _row_scale(p, valid, sk_d, F32_LOAD: tl.constexpr):
 @triton.jit
 def _into_fp16(qt, wt):
     """(q, head weights) -> (q * 2^e in fp16, weights * 2^-e), e putting max |q| in [2^14, 2^15):
-    in fp16's range (65504) and exact, bf16's 8 significant bits fitting fp16's 11 (values below
-    max |q| * 2^-24 lose bits, 2^-38 flush to zero: nothing a float32 sum of 128 products keeps).
-    relu(x * 2^e) * w * 2^-e = relu(x) * w, so the scores are unchanged."""
+    in fp16's range (65504) and exact, bf16's 8 significant bits fitting fp16's 11 down to 2^-17
+    (values below about max |q| * 2^-31 lose low bits in fp16's subnormals, below about 2^-39
+    flush to zero: nothing a float32 sum of 128 products keeps). relu(x * 2^e) * w * 2^-e =
+    relu(x) * w, so the scores are unchanged."""
     q32 = qt.to(tl.float32)
     amax = tl.max(tl.max(tl.abs(q32), axis=1), axis=0)
     # floor(log2(amax)) from the exponent bits: exact (0 for amax = 0: no scaling)
@@ -293,7 +294,7 @@ def _logits_kernel(
     SCALE_F32: tl.constexpr, FP16_DOTS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, FILL: tl.constexpr, MIN_BLOCKS: tl.constexpr, PREFETCH: tl.constexpr,
-    PAGED_BLOCKS: tl.constexpr = False, EVEN_D: tl.constexpr = False,
+    PAGED_BLOCKS: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
@@ -503,22 +504,23 @@ def _select_kernel(
     n_cols = tl.minimum(tl.maximum(tl.load(pos_ptr + row * s_pos) + 1, 0), S).to(tl.int32)
     zero = tl.zeros([], tl.int32)
     # The K-th largest key (thr) and how many are above it; the winners are those above and
-    # the first K - n_above equal to it (>= 1 of them when n_cols >= K), compacted into the
-    # scratch row.
+    # the first `need` equal to it (none where the search stopped at exactly K above),
+    # compacted into the scratch row.
     if n_cols <= TILE and n_cols > TILE // 4:  # the row in registers (a short one would waste the tile)
         thr, n_above = _kth_in_tile(_row_keys(src, tl.arange(0, TILE), n_cols), K)
     else:
         thr, n_above = _kth_streamed(src, n_cols, K, CHUNK)
+    need = K - n_above
     # compacted a chunk at a time, re-read from L1/L2 (a whole tile's scan in registers spills)
     seen_above, seen_equal = zero, zero
     for c in range(0, n_cols, CHUNK):
         offs = c + tl.arange(0, CHUNK)
-        seen_above, seen_equal = _winners_to(dst, _row_keys(src, offs, n_cols), offs, n_cols, thr, n_above,
-                                             K - n_above, seen_above, seen_equal)
+        seen_above, seen_equal = _winners_to(dst, _row_keys(src, offs, n_cols), offs, n_cols, thr, n_above, need,
+                                             seen_above, seen_equal)
     tl.debug_barrier()  # the scratch row is re-read by other threads of this program
 
     i = tl.arange(0, BLOCK_K)
-    written = n_above + tl.minimum(seen_equal, K - n_above)  # < K for a row shorter than K
+    written = n_above + tl.minimum(seen_equal, need)  # < K for a row shorter than K
     picked = tl.sort(tl.load(dst + i, mask=i < written, other=-9223372036854775808), descending=True)
     neg_inf = (_order_key(tl.full([], float("-inf"), tl.float32)) ^ 0x80000000).to(tl.int32, bitcast=True)
     res = tl.where((picked >> 32) > neg_inf.to(tl.int64), picked.to(tl.int32), -1)
