@@ -65,6 +65,17 @@ def build_wgmma(args):
     return decode_wgmma.compile_for_sm90(args.s_q, args.heads, args.splits, args.stages, overlap=args.overlap)
 
 
+def build_select(args):
+    """The DSA indexer's selection kernel (mlagraph/ops/triton/indexer.py) as decode launches it
+    for 32K-key rows and top-2048 (``--warps 16``): a row in registers (TILE), compacted in
+    CHUNK-column steps, the winners sorted."""
+    from mlagraph.ops.triton import indexer
+
+    types = {"s_ptr": "*i32", "pos_ptr": "*i64", "out_ptr": "*i32", "tmp_ptr": "*i64"}
+    consts = dict(TILE=32768, CHUNK=args.chunk, BLOCK_K=2048)
+    return _compile(indexer._select_kernel, types, consts, ["ss_t", "so_t", "st_t"], args)
+
+
 def build_sparse_wgmma(args):
     """The Gluon sparse MLA kernel (mlagraph/ops/triton/sparse_wgmma.py): bf16 cache, 64 heads a program."""
     from mlagraph.ops.triton import sparse_wgmma
@@ -91,6 +102,8 @@ def build_indexer(args):
 def build(args):
     if args.form == "indexer":
         return build_indexer(args)
+    if args.form == "select":
+        return build_select(args)
     if args.form == "sparse-wgmma":
         return build_sparse_wgmma(args)
     if args.form == "grouped":
@@ -174,7 +187,7 @@ def report(kernel) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--form", choices=["rows", "keys", "grouped", "wgmma", "sparse-wgmma", "indexer"], default="keys")
+    p.add_argument("--form", choices=["rows", "keys", "grouped", "wgmma", "sparse-wgmma", "indexer", "select"], default="keys")
     p.add_argument("--tma", action="store_true", help="keys form: whole blocks through tensor descriptors")
     p.add_argument("--layout", choices=["bf16", "fp8", "fp8_ds"], default="bf16")
     p.add_argument("--heads", type=int, default=16)
@@ -188,6 +201,7 @@ def main() -> None:
     p.add_argument("--prefetch", action="store_true", help="indexer: the explicit one-block prefetch")
     p.add_argument("--bf16-dots", action="store_true", help="indexer: e4m3 -> bf16 dots (fp16_dots=False)")
     p.add_argument("--per-key-pages", action="store_true", help="indexer: a page lookup per key, D masked")
+    p.add_argument("--chunk", type=int, default=4096, help="select: columns a compaction step")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--splits", type=int, default=2)

@@ -426,9 +426,12 @@ def _order_key(x):
 
 @triton.jit
 def _row_keys(src, offs, W):
-    """Order keys of columns ``offs`` of a row; 0 (below every score) past its end."""
-    x = tl.load(src + offs, mask=offs < W, other=0.0)
-    return tl.where(offs < W, _order_key(x), 0)
+    """Order keys of columns ``offs`` of a row (``src``: the float32 scores' bits, as int32); 0
+    (below every score) past its end: the bits of the negative NaN 0xFFFFFFFF, whose order key
+    is 0, fill them, so no mask is applied after the load (LLVM would re-apply it on every pass
+    of the bit search)."""
+    bits = tl.load(src + offs, mask=offs < W, other=-1).to(tl.uint32, bitcast=True)
+    return bits ^ tl.where((bits >> 31) == 1, 0xFFFFFFFF, 0x80000000)
 
 
 @triton.jit
@@ -537,7 +540,7 @@ def _select_triton(scores, positions, max_len, topk, out, cfg):
     num_warps = 16 if tile >= 16384 else 8 if tile >= 4096 else 4
     scratch = torch.empty((rows, block_k), dtype=torch.int64, device=scores.device)
     _select_kernel[(rows,)](
-        scores, positions, out, scratch, max_len, topk,
+        scores.view(torch.int32), positions, out, scratch, max_len, topk,
         scores.stride(0), positions.stride(0), out.stride(0), scratch.stride(0),
         TILE=tile, CHUNK=chunk, BLOCK_K=block_k, num_warps=num_warps,
     )
