@@ -134,7 +134,9 @@ def bench_flash(rows, args, g):
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
                   [{"FORM": "rows"}, {"FORM": "wgmma", "MAX_SPLITS": 2}, {"FORM": "wgmma", "num_stages": 1},
                    {"FORM": "wgmma", "OVERLAP": True}]
-                  + ([{**KEYS_SWEEP_BASE, "BLOCK_H": 32}] if h * s_q <= 32 else []), graphs=True)
+                  + ([{**KEYS_SWEEP_BASE, "BLOCK_H": 32}] if h * s_q <= 32 else [])
+                  + ([{"FORM": "wgmma", "SEESAW": True}, {"FORM": "wgmma", "SEESAW": True, "MAX_SPLITS": 2}]
+                     if args.seesaw else []), graphs=True)
         mirrors = {table: table.cpu(), lens: lens.cpu()}
         for lib, backend, why, raw in (("flashmla", fm, fm_why, lambda: _raw_flashmla_decode(q_nope, q_pe, cache, table, lens, "bf16")),
                                        ("flashinfer", fi, fi_why, lambda: _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens))):
@@ -170,7 +172,8 @@ def bench_flash(rows, args, g):
             # splits, one here).
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
                   [{**KEYS_SWEEP_BASE, "BLOCK_H": bh, "MAX_SPLITS": sp} for bh in (16, 32) for sp in (1, 2)]
-                  + [{"FORM": "rows"}, {"FORM": "wgmma", "MAX_SPLITS": 2}], graphs=True)
+                  + [{"FORM": "rows"}, {"FORM": "wgmma", "MAX_SPLITS": 2}]
+                  + ([{"FORM": "wgmma", "SEESAW": True}] if args.seesaw else []), graphs=True)
         run.peer("flashmla raw", lambda: _raw_flashmla_decode(q_nope, q_pe, cache, table, lens, "bf16"), check)
         run.peer("flashinfer raw", lambda: _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens), check)
         del cache, table, lens, q_nope, q_pe, args_, check

@@ -76,6 +76,14 @@ def build_select(args):
     return _compile(indexer._select_kernel, types, consts, ["ss_t", "so_t", "st_t"], args)
 
 
+def build_seesaw(args):
+    """The seesaw Gluon decode kernel (mlagraph/ops/triton/decode_seesaw.py): three partitions
+    (the registers reported are the launch's cap; each partition resets its own)."""
+    from mlagraph.ops.triton import decode_seesaw
+
+    return decode_seesaw.compile_for_sm90(args.s_q, args.heads, args.splits)
+
+
 def build_sparse_wgmma(args):
     """The Gluon sparse MLA kernel (mlagraph/ops/triton/sparse_wgmma.py): bf16 cache, 64 heads a program."""
     from mlagraph.ops.triton import sparse_wgmma
@@ -104,6 +112,8 @@ def build(args):
         return build_indexer(args)
     if args.form == "select":
         return build_select(args)
+    if args.form == "seesaw":
+        return build_seesaw(args)
     if args.form == "sparse-wgmma":
         return build_sparse_wgmma(args)
     if args.form == "grouped":
@@ -187,7 +197,7 @@ def report(kernel) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--form", choices=["rows", "keys", "grouped", "wgmma", "sparse-wgmma", "indexer", "select"], default="keys")
+    p.add_argument("--form", choices=["rows", "keys", "grouped", "wgmma", "sparse-wgmma", "indexer", "select", "seesaw"], default="keys")
     p.add_argument("--tma", action="store_true", help="keys form: whole blocks through tensor descriptors")
     p.add_argument("--layout", choices=["bf16", "fp8", "fp8_ds"], default="bf16")
     p.add_argument("--heads", type=int, default=16)

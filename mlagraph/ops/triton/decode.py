@@ -56,7 +56,7 @@ import triton.language as tl
 
 from ._decode_tiles import (_block_rows, _dot, _kv_len, _load_latent, _load_rope, _normalizer, _query_rows,
                             _score_scales, _split_len, _split_run)
-from . import decode_wgmma
+from . import decode_seesaw, decode_wgmma
 from .decode_keys import _split_keys_kernel
 from .decode_keys_fp8 import _split_keys_fp8_kernel
 from ._hardware import H200_SMS, hardware, interpreted
@@ -289,7 +289,7 @@ def _dot_width(dim: int) -> int:
 
 def _check_config(config: dict, override: dict) -> None:
     unknown = set(override) - {"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "MAX_SPLITS", "FP16_DOT", "FORM", "TMA",
-                               "OVERLAP"}
+                               "OVERLAP", "SEESAW"}
     if unknown:
         raise ValueError(f"mla_decode config: unknown keys {sorted(unknown)}")
     for key in ("BLOCK_H", "BLOCK_N"):
@@ -311,7 +311,13 @@ def _check_config(config: dict, override: dict) -> None:
         if config.get("OVERLAP") and config["num_stages"] < 2:
             # the next block's scores read its stage while this block's P @ kv reads this one
             raise ValueError(f"mla_decode config: OVERLAP needs num_stages >= 2, got {config['num_stages']}")
+        if config.get("SEESAW") and (config.get("OVERLAP") or config["num_stages"] != 2):
+            # its schedule is its own: two key blocks (a pair) in flight, refilled part by part
+            raise ValueError(f"mla_decode config: SEESAW takes num_stages 2 and no OVERLAP, got num_stages "
+                             f"{config['num_stages']}, OVERLAP {bool(config.get('OVERLAP'))}")
         return
+    if config.get("SEESAW"):
+        raise ValueError("mla_decode config: SEESAW needs FORM 'wgmma'")
     if config.get("OVERLAP"):
         raise ValueError("mla_decode config: OVERLAP needs FORM 'wgmma'")
     if config["TMA"] and config["FORM"] != "keys":
@@ -408,7 +414,8 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
                            config: dict | None = None):
     """:func:`mla_decode` with optional overrides of :func:`default_config`'s keys (BLOCK_H,
     BLOCK_N, num_warps, num_stages, MAX_SPLITS, FP16_DOT, FORM "rows" | "keys" | "wgmma", TMA, and
-    OVERLAP for the Gluon form: block j+1's scores issued before block j's P @ kv ends); the keys not
+    for the Gluon form OVERLAP (block j+1's scores issued before block j's P @ kv ends) or SEESAW
+    (the two warp groups on alternate blocks, :mod:`.decode_seesaw`)); the keys not
     given keep their default. TMA where the cache's blocks cannot be copied whole is refused
     (:func:`tma_blocks` says why)."""
     check_runnable("mla_decode", _split_kernel, q_nope)
@@ -460,7 +467,13 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     fp8_scale = scale if layout == "fp8" else None
-    if cfg["FORM"] == "wgmma":
+    if cfg["FORM"] == "wgmma" and cfg.get("SEESAW"):
+        descs = decode_seesaw.cache_descriptors(kv_cache, latent, rope)
+        decode_seesaw._seesaw_kernel[grid](
+            q_nope, q_pe, kv_cache, *descs, block_table, seq_lens, part_out, part_lse, *common,
+            S_Q=s_q, H=heads, L=latent, R=rope, PAGE=page_size, MAX_SPLITS=max_splits, DIRECT=direct,
+            num_warps=decode_seesaw.NUM_WARPS, maxnreg=decode_seesaw.MAX_REGS)
+    elif cfg["FORM"] == "wgmma":
         decode_wgmma.check_stages("mla_decode", cfg["num_stages"], latent, rope)
         descs = decode_wgmma.cache_descriptors(kv_cache, latent, rope)
         decode_wgmma._split_wgmma_kernel[grid](

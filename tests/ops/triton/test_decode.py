@@ -412,11 +412,16 @@ def test_opcheck(kind, s_q):
 WGMMA = {"FORM": "wgmma"}
 
 
+SEESAW = {**WGMMA, "SEESAW": True}
+
+
 @cuda_only
 @pytest.mark.parametrize("config", [WGMMA, {**WGMMA, "MAX_SPLITS": 1}, {**WGMMA, "MAX_SPLITS": 3},
                                     {**WGMMA, "num_stages": 1}, {**WGMMA, "OVERLAP": True},
-                                    {**WGMMA, "OVERLAP": True, "MAX_SPLITS": 3}],
-                         ids=["default", "direct", "splits3", "one_stage", "overlap", "overlap_splits3"])
+                                    {**WGMMA, "OVERLAP": True, "MAX_SPLITS": 3},
+                                    SEESAW, {**SEESAW, "MAX_SPLITS": 1}, {**SEESAW, "MAX_SPLITS": 3}],
+                         ids=["default", "direct", "splits3", "one_stage", "overlap", "overlap_splits3",
+                              "seesaw", "seesaw_direct", "seesaw_splits3"])
 @pytest.mark.parametrize("s_q", [1, 2])
 @pytest.mark.parametrize("heads", [40, 64, 128])
 def test_deepseek_shapes_wgmma(device, heads, s_q, config):
@@ -458,6 +463,12 @@ def test_wgmma_config_is_checked():
         kernels()._check_config({**wgmma, "num_stages": 1, "OVERLAP": True}, {"num_stages": 1, "OVERLAP": True})
     with pytest.raises(ValueError, match="OVERLAP needs FORM 'wgmma'"):
         kernels().mla_decode_with_config(*args, config={"OVERLAP": True})
+    with pytest.raises(ValueError, match="SEESAW takes num_stages 2 and no OVERLAP, got num_stages 1, OVERLAP False"):
+        kernels()._check_config({**wgmma, "num_stages": 1, "SEESAW": True}, {"num_stages": 1, "SEESAW": True})
+    with pytest.raises(ValueError, match="SEESAW takes num_stages 2 and no OVERLAP, got num_stages 2, OVERLAP True"):
+        kernels()._check_config({**wgmma, "OVERLAP": True, "SEESAW": True}, {"OVERLAP": True, "SEESAW": True})
+    with pytest.raises(ValueError, match="SEESAW needs FORM 'wgmma'"):
+        kernels().mla_decode_with_config(*args, config={"SEESAW": True})
     wg = kernels().default_config(128, 128, 4096, 512, "bf16", torch.bfloat16, 132, wgmma=True)
     assert (wg["BLOCK_H"], wg["BLOCK_N"], wg["num_warps"], wg["num_stages"], wg["TMA"]) == (64, 64, 8, 2, True)
     assert wg["MAX_SPLITS"] == 1  # 256 programs on 132 SMs: two nearly full waves
@@ -492,3 +503,20 @@ def test_wgmma_kernel_builds_for_sm90():
     for wgmma, mma_sync, shared in helpers.sm90_build_report(code):
         assert wgmma > 0 and mma_sync == 0
         assert 0 < shared <= decode_wgmma.shared_bytes(512, 64, 2) <= decode_wgmma.SHARED_LIMIT
+
+
+def test_seesaw_kernel_builds_for_sm90():
+    """The seesaw form (decode_seesaw) built for sm_90 offline, direct and split: warp-group MMAs
+    only, the three partitions' register budgets set (setmaxnreg), and its shared memory within
+    what its launcher budgets and an SM holds."""
+    decode_seesaw = importlib.import_module("mlagraph.ops.triton.decode_seesaw")
+    if not decode_seesaw.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    code = ("import json; from mlagraph.ops.triton import decode_seesaw as d\n"
+            "builds = [d.compile_for_sm90(s_q=s_q, splits=splits) for s_q, splits in ((1, 1), (2, 3))]\n"
+            "print(json.dumps([[k.asm['ptx'].count('wgmma.mma_async'), k.asm['ptx'].count('mma.sync'),"
+            " k.asm['ptx'].count('setmaxnreg'), k.metadata.shared] for k in builds]))")
+    limit = importlib.import_module("mlagraph.ops.triton.decode_wgmma").SHARED_LIMIT
+    for wgmma, mma_sync, setmaxnreg, shared in helpers.sm90_build_report(code):
+        assert wgmma > 0 and mma_sync == 0 and setmaxnreg > 0
+        assert 0 < shared <= decode_seesaw.shared_bytes(512, 64) <= limit

@@ -1,0 +1,429 @@
+"""Gluon ``mla_decode`` for Hopper (sm_90) with the two warp groups on alternate key blocks: the
+"seesaw" schedule, opt-in (``config={"FORM": "wgmma", "SEESAW": True}``) until the device says it
+beats :mod:`.decode_wgmma`.
+
+Same math, splits, masks and partial outputs as :mod:`.decode_wgmma` (read its docstring first).
+What differs is who does what. There, both warp groups work on every block: each scores 32 of its
+keys, so the softmax's row max and row sum cross warp groups through shared memory, and a CTA
+barrier after each product keeps the tensor cores idle through every softmax. Here a pair of
+blocks (K0, K1) is split between them, each warp group holding one half of the output's columns
+(o_L: 0..255 in warp group 0, o_R: 256..511 in warp group 1; 128 registers a thread each):
+
+    [0] S0 = q K0^T (all 576 columns); m0 = max(m, rowmax S0); P0 = exp2(S0 - m0)
+        o_L = o_L * exp2(m - m0) + P0 V0_L                       sends m0, rowsum P0
+    [1] S1 = q K1^T (meanwhile); m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1)
+        o_R = o_R * exp2(m - m1) + P1 V1_R                       sends m1, rowsum P1, P1
+    [0] P0 *= exp2(m0 - m1) (now at m1's scale), sent; o_L = o_L * exp2(m0 - m1) + P1 V1_L
+    [1] o_R += P0 V0_R;  both: m = m1, l = l * exp2(m - m1) + rowsum P0 * exp2(m0 - m1) + rowsum P1
+
+which is the online softmax over K0 then K1 (DeepSeek's FlashMLA runs this schedule; the write-up
+is theirs, the code ours). Each warp group's softmax runs while the other's products keep the
+tensor cores busy, a row's max and sum never leave its warp group, and the only exchanges are a
+block's P (8 KB) and two floats a row, through shared memory with mbarriers, no CTA barrier.
+
+A third partition, one warp, is the loader: it issues each block as three copies (latent columns
+0..255, 256..511, the rope part) into the pair's buffers, each copy's buffer refilled for the
+next pair as soon as its last reader releases it (K0's rope after S0, K0_L after P0 V0_L, ...),
+so the next pair's keys stream in while this pair is still being multiplied. The split's last,
+partial block is copied whole (one page's rows) and its rows past the split's end are zeroed in
+shared memory by the warp group that multiplies them (0 weight x a stale NaN would be NaN); a -1
+page is read at a negative row: zeros, and its keys masked.
+
+Shared memory at L=512, R=64: q's latent part 64 KB (its rope part, 16 registers a thread, is
+the scores' register operand) + 2 x 72 KB keys + 2 x 8 KB P + 1 KB of row exchanges = 225 KB:
+one program an SM. Registers: the launch caps 12 warps (three warp groups) at 168 a thread and
+each partition resets its own: the loader 40, each compute warp group 232.
+"""
+
+from __future__ import annotations
+
+from . import decode_wgmma
+
+AVAILABLE = decode_wgmma.AVAILABLE
+BLOCK_H = 64  # query rows a program: one wgmma M for each warp group
+BLOCK_N = 64  # keys a block
+NUM_WARPS = 4  # the kernel's own warps: warp group 0 (the second warp group and the loader are workers)
+LOADER_REGS = 40
+COMPUTE_REGS = 232
+MAX_REGS = 168  # 3 warp groups x 128 threads x 168 <= 65536; setmaxnreg then moves them between groups
+
+
+def shared_bytes(latent: int, rope: int) -> int:
+    """Shared memory the kernel takes: q's latent part, two key blocks, two P tiles, the row
+    exchanges and barriers (a bound the launcher checks against the SM's limit)."""
+    return 2 * (BLOCK_H * latent + 2 * BLOCK_N * (latent + rope) + 2 * BLOCK_H * BLOCK_N) + 4 * 4 * BLOCK_H + 1024
+
+
+if AVAILABLE:
+    from .decode_wgmma import (_cta_barrier, _tma_load, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma,
+                               warpgroup_mma_wait)
+
+    @gluon.constexpr_function
+    def _s_layout():
+        """S [64 rows, 64 keys] of one warp group: its 4 warps down the rows."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+
+    @gluon.constexpr_function
+    def _o_layout(cols):
+        """A warp group's half of the output [64 rows, cols = L / 2]."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+
+    @gluon.constexpr_function
+    def _tile_layout(cols):
+        """Registers of a [rows, cols] bf16 tile read by 4 warps: 16 bytes a thread, a warp across a
+        row of up to 256 columns."""
+        tpw = [1, 32] if cols >= 256 else [256 // cols, cols // 8]
+        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=tpw, warps_per_cta=[4, 1], order=[1, 0])
+
+    @gluon.constexpr_function
+    def _vec_layout():
+        return gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+
+    @gluon.jit
+    def _seesaw_kernel(
+        q_nope, q_pe, cache, half_desc, pe_desc, block_table, seq_lens, out, lse,
+        qk_scale,  # softmax_scale * log2(e)
+        stride_qn_b, stride_qn_s, stride_qn_h, stride_qp_b, stride_qp_s, stride_qp_h,
+        stride_c_page, stride_c_tok, stride_bt_b, stride_bt_p, stride_sl,
+        stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split,
+        MAX_LEN,
+        S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr,
+        MAX_SPLITS: gl.constexpr, DIRECT: gl.constexpr,
+    ):
+        BH: gl.constexpr = 64
+        BN: gl.constexpr = 64
+        LH: gl.constexpr = L // 2
+        row_block = gl.program_id(0)
+        split = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
+
+        # This split's keys [lo, hi), as decode_wgmma cuts them.
+        seq_len = gl.load(seq_lens + b * stride_sl)
+        kv_len = gl.minimum(gl.maximum(seq_len, 0), MAX_LEN)
+        per_split = ((kv_len + BN - 1) // BN + MAX_SPLITS - 1) // MAX_SPLITS * BN
+        lo = split * per_split
+        hi = gl.minimum(lo + per_split, kv_len)
+        n_blocks = gl.maximum(hi - lo + BN - 1, 0) // BN
+        bt_row = block_table + b * stride_bt_b
+
+        # q's latent part -> shared memory as two [64, L/2] halves (rows past S_Q * H: zeros).
+        rows = row_block * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, _tile_layout(LH)))
+        cols = gl.arange(0, LH, layout=gl.SliceLayout(0, _tile_layout(LH)))
+        q_rows = q_nope + b * stride_qn_b + (rows // H) * stride_qn_s + (rows % H) * stride_qn_h
+        q_half = gl.allocate_shared_memory(gl.bfloat16, [2, BH, LH], half_desc.layout)
+        for h in gl.static_range(2):
+            x = gl.load(q_rows[:, None] + (h * LH + cols)[None, :], mask=(rows < S_Q * H)[:, None], other=0.0)
+            q_half.index(h).store(x.to(gl.bfloat16))
+
+        # Key buffers: [block of the pair (2) x latent half (2)] and [block (2)] rope; the pair's P
+        # tiles; the row exchanges (0: m0, 1: rowsum P0, 2: m1, 3: rowsum P1).
+        k_half = gl.allocate_shared_memory(gl.bfloat16, [4, BN, LH], half_desc.layout)
+        k_rope = gl.allocate_shared_memory(gl.bfloat16, [2, BN, R], pe_desc.layout)
+        p_tiles = gl.allocate_shared_memory(gl.bfloat16, [2, BH, BN],
+                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+        xchg = gl.allocate_shared_memory(gl.float32, [4 * BH], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        # Per copy (block b, part g: 0 latent left, 1 latent right, 2 rope; index 3 b + g): ready
+        # (the loader's bytes in) and free (its last reader is done). Then the exchanges, one
+        # arrival a pair each: m0 sent (0 -> 1), P1 sent (1 -> 0), P0 sent (0 -> 1).
+        ready = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+        sent = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(6):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(free.index(i), count=1)
+        for i in gl.static_range(3):
+            mbarrier.init(sent.index(i), count=1)
+        fence_async_shared()
+        _cta_barrier()
+
+        # (the arguments are spelled out in each tuple: a tuple assigned to a name first would turn
+        # its constexprs into tensors)
+        gl.warp_specialize([
+            (_group0, (q_pe, bt_row, out, lse, qk_scale, stride_qp_b, stride_qp_s, stride_qp_h, stride_bt_p,
+                       stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split, b, row_block, split,
+                       seq_len, lo, hi, n_blocks, q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent,
+                       S_Q, H, L, R, PAGE, DIRECT)),
+            (_group1, (q_pe, bt_row, out, lse, qk_scale, stride_qp_b, stride_qp_s, stride_qp_h, stride_bt_p,
+                       stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split, b, row_block, split,
+                       seq_len, lo, hi, n_blocks, q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent,
+                       S_Q, H, L, R, PAGE, DIRECT)),
+            (_loader, (half_desc, pe_desc, bt_row, stride_bt_p, lo, n_blocks, k_half, k_rope, ready, free, L, PAGE)),
+        ], [4, 1], [232, 40])  # COMPUTE_REGS, LOADER_REGS
+
+    @gluon.jit
+    def _loader(half_desc, pe_desc, bt_row, stride_bt_p, lo, n_blocks, k_half, k_rope, ready, free,
+                L: gl.constexpr, PAGE: gl.constexpr):
+        """Each block of the split as three copies into its pair slot, each once that slot's
+        previous reader has freed it (a block lies in one page; a -1 page: a negative row, zeros)."""
+        BN: gl.constexpr = 64
+        LH: gl.constexpr = L // 2
+        for j in range(0, n_blocks):
+            slot = j % 2
+            phase = (j // 2) & 1
+            start = lo + j * BN
+            page = gl.load(bt_row + (start // PAGE) * stride_bt_p)
+            row0 = page * PAGE + start % PAGE
+            for g in gl.static_range(2):
+                i = slot * 3 + g
+                mbarrier.wait(free.index(i), phase ^ 1)  # a fresh barrier's phase 1 counts as complete
+                mbarrier.expect(ready.index(i), half_desc.block_type.nbytes)
+                _tma_load(half_desc, [row0, g * LH], ready.index(i), k_half.index(slot * 2 + g))
+            mbarrier.wait(free.index(slot * 3 + 2), phase ^ 1)
+            mbarrier.expect(ready.index(slot * 3 + 2), pe_desc.block_type.nbytes)
+            _tma_load(pe_desc, [row0, L], ready.index(slot * 3 + 2), k_rope.index(slot))
+
+    @gluon.jit
+    def _q_rope_operand(q_pe, stride_qp_b, stride_qp_s, stride_qp_h, b, row_block, S_Q: gl.constexpr,
+                        H: gl.constexpr, R: gl.constexpr):
+        """q's rope part [64, R] in registers, as the scores' left operand (loaded in that layout:
+        a conversion would take 8 KB of shared memory a warp group)."""
+        layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_s_layout(), k_width=2)
+        rows = row_block * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, R, layout=gl.SliceLayout(0, layout))
+        ptrs = q_pe + b * stride_qp_b + (rows // H) * stride_qp_s + (rows % H) * stride_qp_h
+        return gl.load(ptrs[:, None] + cols[None, :], mask=(rows < S_Q * H)[:, None], other=0.0).to(gl.bfloat16)
+
+    @gluon.jit
+    def _block_scores(q_half, q_rope, k_half, k_rope, ready, slot, phase):
+        """S [64, 64] of the block in ``slot``: its three copies awaited in turn, each product
+        issued as its keys land; returns the finished S."""
+        s = gl.zeros([64, 64], gl.float32, layout=_s_layout())
+        mbarrier.wait(ready.index(slot * 3), phase)
+        s = warpgroup_mma(q_half.index(0), k_half.index(slot * 2).permute((1, 0)), s, use_acc=False, is_async=True)
+        mbarrier.wait(ready.index(slot * 3 + 1), phase)
+        s = warpgroup_mma(q_half.index(1), k_half.index(slot * 2 + 1).permute((1, 0)), s, is_async=True)
+        mbarrier.wait(ready.index(slot * 3 + 2), phase)
+        s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), s, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+    @gluon.jit
+    def _masked(s, bt_row, stride_bt_p, start, hi, seq_len, row_block, qk_scale, S_Q: gl.constexpr,
+                H: gl.constexpr, PAGE: gl.constexpr):
+        """Scores in base 2, -inf where a key is not visible to a row: past its causal limit, past
+        the split's end, or on a -1 page."""
+        layout: gl.constexpr = _s_layout()
+        rows = row_block * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        pos = start + gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        page = gl.load(bt_row + (start // PAGE) * stride_bt_p)
+        limit = seq_len - S_Q + rows // H
+        visible = (pos[None, :] <= limit[:, None]) & (pos < hi)[None, :] & (page >= 0)
+        return gl.where(visible, s * qk_scale, float("-inf"))
+
+    @gluon.jit
+    def _safe(m):
+        """A row max as a shift: a row that has seen no key (-inf) shifts by 0, so exp2 gives 0."""
+        return gl.where(m == float("-inf"), 0.0, m)
+
+    @gluon.jit
+    def _zero_tail(buf, valid):
+        """Rows ``valid``.. of a [64, cols] key buffer -> 0 (the split's partial last block: stale
+        rows of its page), made visible to the tensor cores of this warp group."""
+        cols: gl.constexpr = buf.type.shape[1]
+        for r in gl.static_range(4):
+            sub = buf.slice(r * 16, 16, dim=0)
+            x = sub.load(_tile_layout(cols))
+            rows = r * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, _tile_layout(cols)))
+            sub.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
+        fence_async_shared()
+        _cta_barrier()
+
+    @gluon.jit
+    def _pv(p, v_buf, o):
+        """o += P @ v (P [64, 64] from registers or shared memory, v [64 keys, cols]), awaited."""
+        o = warpgroup_mma(p, v_buf, o, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+
+    @gluon.jit
+    def _send_rows(xchg, i, x):
+        """Row values x [64] -> exchange slot i (read by the other warp group after an mbarrier)."""
+        xchg.slice(i * 64, 64).store(x)
+
+    @gluon.jit
+    def _recv_rows(xchg, i, layout: gl.constexpr):
+        """Exchange slot i as row values [64] in ``layout``."""
+        return xchg.slice(i * 64, 64).load(layout)
+
+    @gluon.jit
+    def _group0(q_pe, bt_row, out, lse, qk_scale, stride_qp_b, stride_qp_s, stride_qp_h, stride_bt_p,
+                stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split, b, row_block, split,
+                seq_len, lo, hi, n_blocks, q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent,
+                S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr,
+                DIRECT: gl.constexpr):
+        """Warp group 0: the even blocks' scores and softmax; output columns 0..L/2."""
+        BN: gl.constexpr = 64
+        LH: gl.constexpr = L // 2
+        ROW_S: gl.constexpr = gl.SliceLayout(1, _s_layout())
+        O_L: gl.constexpr = _o_layout(LH)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+        P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        q_rope = _q_rope_operand(q_pe, stride_qp_b, stride_qp_s, stride_qp_h, b, row_block, S_Q, H, R)
+        m = gl.full([64], float("-inf"), gl.float32, layout=ROW_S)
+        l_i = gl.zeros([64], gl.float32, layout=ROW_S)
+        o = gl.zeros([64, LH], gl.float32, layout=O_L)
+        for pair in range(0, (n_blocks + 1) // 2):
+            phase = pair & 1
+            start0 = lo + 2 * pair * BN
+            start1 = start0 + BN
+            has1 = 2 * pair + 1 < n_blocks
+            s = _block_scores(q_half, q_rope, k_half, k_rope, ready, 0, phase)
+            mbarrier.arrive(free.index(2))  # K0's rope part: read by S0 only
+            s = _masked(s, bt_row, stride_bt_p, start0, hi, seq_len, row_block, qk_scale, S_Q, H, PAGE)
+            m0 = gl.maximum(m, gl.max(s, axis=1))
+            p0 = gl.exp2(s - _safe(m0)[:, None])
+            rs0 = gl.sum(p0, axis=1)
+            p0 = gl.convert_layout(p0.to(gl.bfloat16), P_OP)  # the float32 tile dies here
+            _send_rows(xchg, 0, m0)
+            _send_rows(xchg, 1, rs0)
+            _cta_barrier()
+            mbarrier.arrive(sent.index(0))
+            # o_L = o_L * exp2(m - m0) + P0 V0_L
+            if start0 + BN > hi:
+                _zero_tail(k_half.index(0), hi - start0)
+            o = o * gl.convert_layout(gl.exp2(m - _safe(m0)), ROW_O)[:, None]
+            o = _pv(p0, k_half.index(0), o)
+            _cta_barrier()
+            mbarrier.arrive(free.index(0))  # K0_L: S0 and P0 V0_L were its readers
+            # P1 and m1 from warp group 1; P0 brought to m1's scale for its o_R
+            mbarrier.wait(sent.index(1), phase)
+            m1 = _recv_rows(xchg, 2, ROW_S)
+            rs1 = _recv_rows(xchg, 3, ROW_S)
+            scale1 = gl.exp2(m0 - _safe(m1))
+            scale1_p = gl.convert_layout(scale1, gl.SliceLayout(1, P_OP))
+            p_tiles.index(0).store((p0.to(gl.float32) * scale1_p[:, None]).to(gl.bfloat16))
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(sent.index(2))
+            o = o * gl.convert_layout(scale1, ROW_O)[:, None]
+            if has1:  # o_L += P1 V1_L
+                mbarrier.wait(ready.index(3), phase)
+                if start1 + BN > hi:
+                    _zero_tail(k_half.index(2), hi - start1)
+                o = _pv(p_tiles.index(1), k_half.index(2), o)
+                _cta_barrier()
+                mbarrier.arrive(free.index(3))  # K1_L: S1 (warp group 1, before it sent P1) and P1 V1_L
+            l_i = l_i * gl.exp2(m - _safe(m1)) + rs0 * scale1 + rs1
+            m = m1
+        _finish(o, m, l_i, out, lse, stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split,
+                b, row_block, split, lo, hi, 0, True, S_Q, H, DIRECT)
+
+    @gluon.jit
+    def _group1(q_pe, bt_row, out, lse, qk_scale, stride_qp_b, stride_qp_s, stride_qp_h, stride_bt_p,
+                stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split, b, row_block, split,
+                seq_len, lo, hi, n_blocks, q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent,
+                S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr,
+                DIRECT: gl.constexpr):
+        """Warp group 1: the odd blocks' scores and softmax; output columns L/2..L."""
+        BN: gl.constexpr = 64
+        LH: gl.constexpr = L // 2
+        ROW_S: gl.constexpr = gl.SliceLayout(1, _s_layout())
+        O_L: gl.constexpr = _o_layout(LH)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+        P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        q_rope = _q_rope_operand(q_pe, stride_qp_b, stride_qp_s, stride_qp_h, b, row_block, S_Q, H, R)
+        m = gl.full([64], float("-inf"), gl.float32, layout=ROW_S)
+        l_i = gl.zeros([64], gl.float32, layout=ROW_S)
+        o = gl.zeros([64, LH], gl.float32, layout=O_L)
+        for pair in range(0, (n_blocks + 1) // 2):
+            phase = pair & 1
+            start0 = lo + 2 * pair * BN
+            start1 = start0 + BN
+            has1 = 2 * pair + 1 < n_blocks
+            if has1:
+                s = _block_scores(q_half, q_rope, k_half, k_rope, ready, 1, phase)
+                mbarrier.arrive(free.index(5))  # K1's rope part: read by S1 only
+                s = _masked(s, bt_row, stride_bt_p, start1, hi, seq_len, row_block, qk_scale, S_Q, H, PAGE)
+            else:  # an odd last block: nothing of K1, its scores all -inf
+                s = gl.full([64, 64], float("-inf"), gl.float32, layout=_s_layout())
+            mbarrier.wait(sent.index(0), phase)
+            m0 = _recv_rows(xchg, 0, ROW_S)
+            rs0 = _recv_rows(xchg, 1, ROW_S)
+            m1 = gl.maximum(m0, gl.max(s, axis=1))
+            p1 = gl.exp2(s - _safe(m1)[:, None])
+            rs1 = gl.sum(p1, axis=1)
+            p1 = gl.convert_layout(p1.to(gl.bfloat16), P_OP)  # the float32 tile dies here
+            _send_rows(xchg, 2, m1)
+            _send_rows(xchg, 3, rs1)
+            if has1:
+                p_tiles.index(1).store(p1)
+                fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(sent.index(1))
+            # o_R = o_R * exp2(m - m1) + P1 V1_R
+            o = o * gl.convert_layout(gl.exp2(m - _safe(m1)), ROW_O)[:, None]
+            if has1:
+                if start1 + BN > hi:
+                    _zero_tail(k_half.index(3), hi - start1)
+                o = _pv(p1, k_half.index(3), o)
+                _cta_barrier()
+                mbarrier.arrive(free.index(4))  # K1_R: S1 and P1 V1_R
+            # o_R += P0 V0_R, P0 at m1's scale
+            mbarrier.wait(sent.index(2), phase)
+            mbarrier.wait(ready.index(1), phase)  # complete (S0 read it); waited for visibility here
+            if start0 + BN > hi:
+                _zero_tail(k_half.index(1), hi - start0)
+            o = _pv(p_tiles.index(0), k_half.index(1), o)
+            _cta_barrier()
+            mbarrier.arrive(free.index(1))  # K0_R: S0 (warp group 0, before it sent m0) and P0 V0_R
+            l_i = l_i * gl.exp2(m - _safe(m1)) + rs0 * gl.exp2(m0 - _safe(m1)) + rs1
+            m = m1
+        _finish(o, m, l_i, out, lse, stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split,
+                b, row_block, split, lo, hi, L // 2, False, S_Q, H, DIRECT)
+
+    @gluon.jit
+    def _finish(o, m, l_i, out, lse, stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split,
+                b, row_block, split, lo, hi, COL0: gl.constexpr, WRITE_LSE: gl.constexpr, S_Q: gl.constexpr,
+                H: gl.constexpr, DIRECT: gl.constexpr):
+        """This warp group's columns of out = o / l, and (warp group 0) lse in natural log; a row
+        that saw no key: 0 and -inf. An empty split leaves its partial out unwritten (the combine
+        never reads it)."""
+        layout: gl.constexpr = o.type.layout
+        has_key = l_i > 0.0
+        l_safe = gl.where(has_key, l_i, 1.0)
+        o = o * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, layout))[:, None]
+        rows = row_block * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        cols = COL0 + gl.arange(0, o.type.shape[1], layout=gl.SliceLayout(0, layout))
+        ptrs = out + b * stride_o_b + split * stride_o_split + rows[:, None] * stride_o_row + cols[None, :]
+        row_ok = rows < S_Q * H
+        if DIRECT:
+            gl.store(ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            gl.store(ptrs, o, mask=(row_ok & (lo < hi))[:, None])
+        if WRITE_LSE:
+            rows_s = row_block * 64 + gl.arange(0, 64, layout=l_i.type.layout)
+            row_lse = gl.where(has_key, (m + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+            gl.store(lse + b * stride_lse_b + split * stride_lse_split + rows_s, row_lse, mask=rows_s < S_Q * H)
+
+
+def cache_descriptors(kv_cache, latent: int, rope: int):
+    """(latent half, rope) Gluon tensor descriptors over a bf16 cache's rows [pages * page_size,
+    W]: boxes of 64 rows x latent / 2 columns (read at columns 0 and latent / 2) and 64 x rope."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows = kv_cache.reshape(-1, kv_cache.shape[-1])
+    half = gl.NVMMASharedLayout.get_default_for([BLOCK_N, latent // 2], gl.bfloat16)
+    pe = gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], gl.bfloat16)
+    return (TensorDescriptor.from_tensor(rows, [BLOCK_N, latent // 2], half),
+            TensorDescriptor.from_tensor(rows, [BLOCK_N, rope], pe))
+
+
+def compile_for_sm90(s_q: int = 1, heads: int = 128, splits: int = 2, latent: int = 512, rope: int = 64,
+                     page: int = 64):
+    """The kernel built for sm_90 without a GPU (see :func:`.decode_wgmma.compile_for_sm90`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = _seesaw_kernel
+    half = repr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, latent // 2], gl.bfloat16))
+    pe = repr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], gl.bfloat16))
+    types = {"q_nope": "*bf16", "q_pe": "*bf16", "cache": "*bf16", "block_table": "*i32", "seq_lens": "*i32",
+             "out": "*fp32" if splits > 1 else "*bf16", "lse": "*fp32", "qk_scale": "fp32",
+             "half_desc": f"tensordesc<bf16[{BLOCK_N},{latent // 2}],{half}>",
+             "pe_desc": f"tensordesc<bf16[{BLOCK_N},{rope}],{pe}>"}
+    consts = dict(S_Q=s_q, H=heads, L=latent, R=rope, PAGE=page, MAX_SPLITS=splits, DIRECT=splits == 1)
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    div16 = [n for n, t in signature.items()
+             if t.startswith("*") or n == "MAX_LEN" or n.startswith(("stride_q", "stride_c", "stride_o", "stride_lse"))]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    return triton.compile(GluonASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": NUM_WARPS, "maxnreg": MAX_REGS})
