@@ -24,10 +24,12 @@ block's P (8 KB) and two floats a row, through shared memory with mbarriers, no 
 A third partition, one warp, is the loader: it issues each block as three copies (latent columns
 0..255, 256..511, the rope part) into the pair's buffers, each copy's buffer refilled for the
 next pair as soon as its last reader releases it (K0's rope after S0, K0_L after P0 V0_L, ...),
-so the next pair's keys stream in while this pair is still being multiplied. The split's last,
-partial block is copied whole (one page's rows) and its rows past the split's end are zeroed in
-shared memory by the warp group that multiplies them (0 weight x a stale NaN would be NaN); a -1
-page is read at a negative row: zeros, and its keys masked.
+so the next pair's keys stream in while this pair is still being multiplied. The parts freed
+last (K0_R after warp group 1's P0 V0_R, K1_L after warp group 0's P1 V1_L) are copied last and
+multiplied last in the next pair's scores, which start on the parts already there. A split's
+last, partial block is copied whole (one page's rows) and its rows past the split's end are
+zeroed in shared memory by the warp group that multiplies them by P (0 weight x a stale NaN
+would be NaN); a -1 page is read at a negative row: zeros, and its keys masked.
 
 Shared memory at L=512, R=64: q's latent part 64 KB (its rope part, 16 registers a thread, is
 the scores' register operand) + 2 x 72 KB keys + 2 x 8 KB P + 1 KB of row exchanges = 225 KB:
@@ -153,24 +155,40 @@ if AVAILABLE:
     @gluon.jit
     def _loader(half_desc, pe_desc, bt_row, stride_bt_p, lo, n_blocks, k_half, k_rope, ready, free,
                 L: gl.constexpr, PAGE: gl.constexpr):
-        """Each block of the split as three copies into its pair slot, each once that slot's
-        previous reader has freed it (a block lies in one page; a -1 page: a negative row, zeros)."""
+        """Each pair of blocks as six copies, in the order their slots are freed in the pair before
+        (K0's and K1's rope parts after the scores, K0_L after P0 V0_L, K1_R after P1 V1_R, K0_R and
+        K1_L last), so a copy never waits behind one that is freed later. A block lies in one page;
+        a -1 page gives a negative row: zeros."""
         BN: gl.constexpr = 64
         LH: gl.constexpr = L // 2
-        for j in range(0, n_blocks):
-            slot = j % 2
-            phase = (j // 2) & 1
-            start = lo + j * BN
-            page = gl.load(bt_row + (start // PAGE) * stride_bt_p)
-            row0 = page * PAGE + start % PAGE
-            for g in gl.static_range(2):
-                i = slot * 3 + g
-                mbarrier.wait(free.index(i), phase ^ 1)  # a fresh barrier's phase 1 counts as complete
-                mbarrier.expect(ready.index(i), half_desc.block_type.nbytes)
-                _tma_load(half_desc, [row0, g * LH], ready.index(i), k_half.index(slot * 2 + g))
-            mbarrier.wait(free.index(slot * 3 + 2), phase ^ 1)
-            mbarrier.expect(ready.index(slot * 3 + 2), pe_desc.block_type.nbytes)
-            _tma_load(pe_desc, [row0, L], ready.index(slot * 3 + 2), k_rope.index(slot))
+        for pair in range(0, (n_blocks + 1) // 2):
+            phase = pair & 1
+            has1 = 2 * pair + 1 < n_blocks
+            start0 = lo + 2 * pair * BN
+            row0 = _page_row(bt_row, stride_bt_p, start0, True, PAGE)
+            row1 = _page_row(bt_row, stride_bt_p, start0 + BN, has1, PAGE)  # unused without a block 1
+            _copy(pe_desc, row0, L, free.index(2), ready.index(2), k_rope.index(0), phase, True)
+            _copy(pe_desc, row1, L, free.index(5), ready.index(5), k_rope.index(1), phase, has1)
+            _copy(half_desc, row0, 0, free.index(0), ready.index(0), k_half.index(0), phase, True)
+            _copy(half_desc, row1, LH, free.index(4), ready.index(4), k_half.index(3), phase, has1)
+            _copy(half_desc, row0, LH, free.index(1), ready.index(1), k_half.index(1), phase, True)
+            _copy(half_desc, row1, 0, free.index(3), ready.index(3), k_half.index(2), phase, has1)
+
+    @gluon.jit
+    def _page_row(bt_row, stride_bt_p, start, valid, PAGE: gl.constexpr):
+        """The cache row of key ``start`` (a -1 page: a negative row, which the copy engine reads
+        as zeros); the table is not read where not ``valid`` (past the split's blocks)."""
+        page = gl.load(bt_row + (start // PAGE) * stride_bt_p, mask=valid, other=-1)
+        return page * PAGE + start % PAGE
+
+    @gluon.jit
+    def _copy(desc, row, col, free_bar, ready_bar, buf, phase, pred):
+        """One 64-row box at (row, col) into ``buf`` once its last reader has freed it (a fresh
+        barrier's phase 1 counts as complete); nothing where ``pred`` is false."""
+        if pred:
+            mbarrier.wait(free_bar, phase ^ 1)
+            mbarrier.expect(ready_bar, desc.block_type.nbytes)
+            _tma_load(desc, [row, col], ready_bar, buf)
 
     @gluon.jit
     def _q_rope_operand(q_pe, stride_qp_b, stride_qp_s, stride_qp_h, b, row_block, S_Q: gl.constexpr,
@@ -184,16 +202,19 @@ if AVAILABLE:
         return gl.load(ptrs[:, None] + cols[None, :], mask=(rows < S_Q * H)[:, None], other=0.0).to(gl.bfloat16)
 
     @gluon.jit
-    def _block_scores(q_half, q_rope, k_half, k_rope, ready, slot, phase):
-        """S [64, 64] of the block in ``slot``: its three copies awaited in turn, each product
-        issued as its keys land; returns the finished S."""
+    def _block_scores(q_half, q_rope, k_half, k_rope, ready, slot: gl.constexpr, phase):
+        """S [64, 64] of the block in ``slot``: each of its three copies awaited in turn and its
+        product issued as it lands, the part its slot frees last (K0_R, K1_L) last."""
+        first: gl.constexpr = slot  # block 0: latent left first; block 1: latent right first
         s = gl.zeros([64, 64], gl.float32, layout=_s_layout())
-        mbarrier.wait(ready.index(slot * 3), phase)
-        s = warpgroup_mma(q_half.index(0), k_half.index(slot * 2).permute((1, 0)), s, use_acc=False, is_async=True)
-        mbarrier.wait(ready.index(slot * 3 + 1), phase)
-        s = warpgroup_mma(q_half.index(1), k_half.index(slot * 2 + 1).permute((1, 0)), s, is_async=True)
+        mbarrier.wait(ready.index(slot * 3 + first), phase)
+        s = warpgroup_mma(q_half.index(first), k_half.index(slot * 2 + first).permute((1, 0)), s, use_acc=False,
+                          is_async=True)
         mbarrier.wait(ready.index(slot * 3 + 2), phase)
         s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), s, is_async=True)
+        mbarrier.wait(ready.index(slot * 3 + 1 - first), phase)
+        s = warpgroup_mma(q_half.index(1 - first), k_half.index(slot * 2 + 1 - first).permute((1, 0)), s,
+                          is_async=True)
         return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
     @gluon.jit
