@@ -77,11 +77,11 @@ def build_select(args):
 
 
 def build_seesaw(args):
-    """The seesaw Gluon decode kernel (mlagraph/ops/triton/decode_seesaw.py): three partitions
+    """The seesaw Gluon decode kernel (mlagraph/ops/triton/seesaw.py): three partitions
     (the registers reported are the launch's cap; each partition resets its own)."""
-    from mlagraph.ops.triton import decode_seesaw
+    from mlagraph.ops.triton import seesaw
 
-    return decode_seesaw.compile_for_sm90(args.s_q, args.heads, args.splits)
+    return seesaw.compile_for_sm90(args.s_q, args.heads, args.splits)
 
 
 def build_sparse_wgmma(args):

@@ -56,7 +56,7 @@ import triton.language as tl
 
 from ._decode_tiles import (_block_rows, _dot, _kv_len, _load_latent, _load_rope, _normalizer, _query_rows,
                             _score_scales, _split_len, _split_run)
-from . import decode_seesaw, decode_wgmma
+from . import decode_wgmma, seesaw
 from .decode_keys import _split_keys_kernel
 from .decode_keys_fp8 import _split_keys_fp8_kernel
 from ._hardware import H200_SMS, hardware, interpreted
@@ -415,7 +415,7 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
     """:func:`mla_decode` with optional overrides of :func:`default_config`'s keys (BLOCK_H,
     BLOCK_N, num_warps, num_stages, MAX_SPLITS, FP16_DOT, FORM "rows" | "keys" | "wgmma", TMA, and
     for the Gluon form OVERLAP (block j+1's scores issued before block j's P @ kv ends) or SEESAW
-    (the two warp groups on alternate blocks, :mod:`.decode_seesaw`)); the keys not
+    (the two warp groups on alternate blocks, :mod:`.seesaw`)); the keys not
     given keep their default. TMA where the cache's blocks cannot be copied whole is refused
     (:func:`tma_blocks` says why)."""
     check_runnable("mla_decode", _split_kernel, q_nope)
@@ -468,11 +468,11 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
     )
     fp8_scale = scale if layout == "fp8" else None
     if cfg["FORM"] == "wgmma" and cfg.get("SEESAW"):
-        descs = decode_seesaw.cache_descriptors(kv_cache, latent, rope)
-        decode_seesaw._seesaw_kernel[grid](
+        descs = seesaw.cache_descriptors(kv_cache, latent, rope)
+        seesaw._dense_kernel[grid](
             q_nope, q_pe, kv_cache, *descs, block_table, seq_lens, part_out, part_lse, *common,
             S_Q=s_q, H=heads, L=latent, R=rope, PAGE=page_size, MAX_SPLITS=max_splits, DIRECT=direct,
-            num_warps=decode_seesaw.NUM_WARPS, maxnreg=decode_seesaw.MAX_REGS)
+            num_warps=seesaw.NUM_WARPS, maxnreg=seesaw.MAX_REGS)
     elif cfg["FORM"] == "wgmma":
         decode_wgmma.check_stages("mla_decode", cfg["num_stages"], latent, rope)
         descs = decode_wgmma.cache_descriptors(kv_cache, latent, rope)

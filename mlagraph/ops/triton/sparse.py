@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..layouts import DS_GROUP
 from ._fp8 import from_fp8_bits
-from . import decode_wgmma, sparse_wgmma
+from . import decode_wgmma, seesaw, sparse_wgmma
 from ._hardware import interpreted
 from ._launch import check_runnable
 from ._tl import dot as _dot
@@ -182,7 +182,7 @@ def sparse_mla(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale
     """Same arguments and results as ``torch.ops.mlagraph.sparse_mla`` (checked by the caller);
     ``config`` overrides :func:`sparse_config` (keys BLOCK_H, BLOCK_N, num_warps, num_stages, and
     FORM: "rows" for the Triton kernel here, "wgmma" for the Gluon one, :mod:`.sparse_wgmma`,
-    which takes num_stages 1 or 2 and nothing else)."""
+    which takes num_stages 1 or 2, or with SEESAW True the seesaw schedule, :mod:`.seesaw`)."""
     check_runnable("sparse_mla", _sparse_mla_kernel, q_nope)
     num_tokens, num_heads, latent = q_nope.shape
     rope = q_pe.shape[2]
@@ -226,24 +226,29 @@ def sparse_mla(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale
 
 def _sparse_wgmma(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, layout, softmax_scale, config, out, lse):
     """The Gluon form's launch (:mod:`.sparse_wgmma`): refused, with the reason, where it cannot run."""
+    unknown = set(config) - {"FORM", "num_stages", "SEESAW"}
+    if unknown:
+        raise ValueError(f"sparse_mla config: FORM 'wgmma' takes only num_stages and SEESAW, got {sorted(unknown)}")
+    stages = config.get("num_stages", 2)
+    if config.get("SEESAW") and stages != 2:
+        raise ValueError(f"sparse_mla config: SEESAW takes num_stages 2 (a pair of key blocks), got {stages}")
     why = wgmma_blocks(q_nope, kv_cache, layout)
     if why is not None:
         raise ValueError(f"sparse_mla config: FORM 'wgmma' asked for, but {why}")
-    unknown = set(config) - {"FORM", "num_stages"}
-    if unknown:
-        raise ValueError(f"sparse_mla config: FORM 'wgmma' takes only num_stages, got {sorted(unknown)}")
-    stages = config.get("num_stages", 2)
     latent, rope = q_nope.shape[-1], q_pe.shape[-1]
     decode_wgmma.check_stages("sparse_mla", stages, latent, rope)
     num_tokens, num_heads = q_nope.shape[:2]
     page_size = kv_cache.shape[1]
     grid = (num_tokens * triton.cdiv(num_heads, sparse_wgmma.BLOCK_H),)
-    sparse_wgmma._sparse_wgmma_kernel[grid](
-        q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, out, lse,
-        num_heads, block_table.shape[0], topk_indices.shape[1], block_table.shape[1] * page_size,
-        softmax_scale * LOG2E,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        topk_indices.stride(0), block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        L=latent, R=rope, PAGE=page_size, STAGES=stages, num_warps=sparse_wgmma.NUM_WARPS,
-    )
+    args = (q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, out, lse,
+            num_heads, block_table.shape[0], topk_indices.shape[1], block_table.shape[1] * page_size,
+            softmax_scale * LOG2E,
+            q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+            topk_indices.stride(0), block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0))
+    if config.get("SEESAW"):  # the warp groups on alternate key blocks (seesaw.py), opt-in
+        seesaw._sparse_kernel[grid](*args, L=latent, R=rope, PAGE=page_size, num_warps=seesaw.NUM_WARPS,
+                                    maxnreg=seesaw.MAX_REGS)
+    else:
+        sparse_wgmma._sparse_wgmma_kernel[grid](*args, L=latent, R=rope, PAGE=page_size, STAGES=stages,
+                                                num_warps=sparse_wgmma.NUM_WARPS)
     return out, lse

@@ -506,17 +506,17 @@ def test_wgmma_kernel_builds_for_sm90():
 
 
 def test_seesaw_kernel_builds_for_sm90():
-    """The seesaw form (decode_seesaw) built for sm_90 offline, direct and split: warp-group MMAs
+    """The seesaw form (seesaw) built for sm_90 offline, direct and split: warp-group MMAs
     only, the three partitions' register budgets set (setmaxnreg), and its shared memory within
     what its launcher budgets and an SM holds."""
-    decode_seesaw = importlib.import_module("mlagraph.ops.triton.decode_seesaw")
-    if not decode_seesaw.AVAILABLE:
+    seesaw = importlib.import_module("mlagraph.ops.triton.seesaw")
+    if not seesaw.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
-    code = ("import json; from mlagraph.ops.triton import decode_seesaw as d\n"
+    code = ("import json; from mlagraph.ops.triton import seesaw as d\n"
             "builds = [d.compile_for_sm90(s_q=s_q, splits=splits) for s_q, splits in ((1, 1), (2, 3))]\n"
             "print(json.dumps([[k.asm['ptx'].count('wgmma.mma_async'), k.asm['ptx'].count('mma.sync'),"
             " k.asm['ptx'].count('setmaxnreg'), k.metadata.shared] for k in builds]))")
     limit = importlib.import_module("mlagraph.ops.triton.decode_wgmma").SHARED_LIMIT
     for wgmma, mma_sync, setmaxnreg, shared in helpers.sm90_build_report(code):
         assert wgmma > 0 and mma_sync == 0 and setmaxnreg > 0
-        assert 0 < shared <= decode_seesaw.shared_bytes(512, 64) <= limit
+        assert 0 < shared <= seesaw.shared_bytes(512, 64) <= limit

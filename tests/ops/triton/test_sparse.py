@@ -225,17 +225,19 @@ def test_deepseek_shapes_other_configs(device, config):
     check(ds_args("bf16", 128, 2048), device, config=config, tol=2e-2, ref_device=device)
 
 
-@pytest.mark.parametrize("stages", [1, 2])
-@pytest.mark.parametrize("k", [37, 256, 2048])
+@pytest.mark.parametrize("config", [{"num_stages": 1}, {"num_stages": 2}, {"SEESAW": True}],
+                         ids=["one_stage", "two_stages", "seesaw"])
+@pytest.mark.parametrize("k", [37, 150, 256, 2048])
 @pytest.mark.parametrize("heads", [16, 64, 128])
 @GPU_ONLY
-def test_deepseek_shapes_wgmma(device, heads, k, stages):
-    """The Gluon form (sparse_wgmma) on Hopper: -1 indices among the selected keys, a token that
-    selects nothing, a top-k that is not a multiple of 64 (37: one partial block), 16 heads padded
-    into the 64-row tile."""
+def test_deepseek_shapes_wgmma(device, heads, k, config):
+    """The Gluon forms (sparse_wgmma; seesaw's sparse kernel) on Hopper: -1 indices among the
+    selected keys, a token that selects nothing, a top-k that is not a multiple of 64 (37: one
+    partial block; 150: three blocks, the seesaw's last pair with one), 16 heads padded into the
+    64-row tile."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon form is sm_90 only")
-    out, lse = check(ds_args("bf16", heads, k), device, config={"FORM": "wgmma", "num_stages": stages}, tol=2e-2,
+    out, lse = check(ds_args("bf16", heads, k), device, config={"FORM": "wgmma", **config}, tol=2e-2,
                      ref_device=device)
     assert_empty(out, lse, tokens=(len(DS_LENS) - 1,))
 
@@ -248,6 +250,10 @@ def test_wgmma_form_is_checked():
         kernels().sparse_mla(*args, config={"FORM": "wgmma"})
     with pytest.raises(ValueError, match="FORM must be 'rows' or 'wgmma'"):
         kernels().sparse_mla(*args, config={"FORM": "cols"})
+    with pytest.raises(ValueError, match="SEESAW takes num_stages 2 \\(a pair of key blocks\\), got 1"):
+        kernels().sparse_mla(*args, config={"FORM": "wgmma", "SEESAW": True, "num_stages": 1})
+    with pytest.raises(ValueError, match=r"takes only num_stages and SEESAW, got \['BLOCK_N'\]"):
+        kernels().sparse_mla(*args, config={"FORM": "wgmma", "BLOCK_N": 32})
 
 
 def test_wgmma_kernel_builds_for_sm90():
@@ -263,6 +269,23 @@ def test_wgmma_kernel_builds_for_sm90():
             " k.metadata.shared, d.shared_bytes(512, 64, 2)]))")
     wgmma, cp_async, mma_sync, shared, budget = helpers.sm90_build_report(code)
     assert wgmma > 0 and cp_async > 0 and mma_sync == 0
+    assert 0 < shared <= budget
+
+
+def test_seesaw_kernel_builds_for_sm90():
+    """The seesaw schedule's sparse kernel (seesaw.py) built for sm_90 offline: gathered by
+    asynchronous copies that arrive on mbarriers, warp-group MMAs, the partitions' register
+    budgets set, shared memory within its budget."""
+    seesaw = importlib.import_module("mlagraph.ops.triton.seesaw")
+    if not seesaw.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    code = ("import json; from mlagraph.ops.triton import seesaw as s\n"
+            "k = s.compile_sparse_for_sm90()\n"
+            "ptx = k.asm['ptx']\n"
+            "print(json.dumps([ptx.count('wgmma.mma_async'), ptx.count('cp.async.mbarrier.arrive'),"
+            " ptx.count('mma.sync'), ptx.count('setmaxnreg'), k.metadata.shared, s.shared_bytes(512, 64)]))")
+    wgmma, arrive, mma_sync, setmaxnreg, shared, budget = helpers.sm90_build_report(code)
+    assert wgmma > 0 and arrive > 0 and mma_sync == 0 and setmaxnreg > 0
     assert 0 < shared <= budget
 
 

@@ -57,8 +57,11 @@ def shared_bytes(latent: int, rope: int) -> int:
 
 
 if AVAILABLE:
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
     from .decode_wgmma import (_cta_barrier, _tma_load, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma,
                                warpgroup_mma_wait)
+    from .sparse_wgmma import _cp_async
 
     @gluon.constexpr_function
     def _s_layout():
@@ -77,12 +80,8 @@ if AVAILABLE:
         tpw = [1, 32] if cols >= 256 else [256 // cols, cols // 8]
         return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=tpw, warps_per_cta=[4, 1], order=[1, 0])
 
-    @gluon.constexpr_function
-    def _vec_layout():
-        return gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-
     @gluon.jit
-    def _seesaw_kernel(
+    def _dense_kernel(
         q_nope, q_pe, cache, half_desc, pe_desc, block_table, seq_lens, out, lse,
         qk_scale,  # softmax_scale * log2(e)
         stride_qn_b, stride_qn_s, stride_qn_h, stride_qp_b, stride_qp_s, stride_qp_h,
@@ -92,9 +91,9 @@ if AVAILABLE:
         S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr,
         MAX_SPLITS: gl.constexpr, DIRECT: gl.constexpr,
     ):
+        """mla_decode: one program per (64 query rows, split, request), as decode_wgmma's."""
         BH: gl.constexpr = 64
         BN: gl.constexpr = 64
-        LH: gl.constexpr = L // 2
         row_block = gl.program_id(0)
         split = gl.program_id(1)
         b = gl.program_id(2).to(gl.int64)
@@ -107,58 +106,119 @@ if AVAILABLE:
         hi = gl.minimum(lo + per_split, kv_len)
         n_blocks = gl.maximum(hi - lo + BN - 1, 0) // BN
         bt_row = block_table + b * stride_bt_b
+        row0 = row_block * BH  # row r: query r // H, head r % H
 
-        # q's latent part -> shared memory as two [64, L/2] halves (rows past S_Q * H: zeros).
-        rows = row_block * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, _tile_layout(LH)))
+        half_layout: gl.constexpr = half_desc.layout
+        rope_layout: gl.constexpr = pe_desc.layout
+        q_half = _q_latent_to_shared(q_nope + b * stride_qn_b, stride_qn_s, stride_qn_h, row0, S_Q * H, H, L,
+                                     half_layout)
+        k_half, k_rope, p_tiles, xchg, ready, free, sent = _allocate(half_layout, rope_layout, L, R, 1)
+        # An empty split leaves its partial out unwritten (the combine never reads it).
+        write_out = (lo < hi) | DIRECT
+        # (each partition's arguments spelled out: a tuple assigned to a name first would turn its
+        # constexprs into tensors)
+        gl.warp_specialize([
+            (_group0, (q_pe + b * stride_qp_b, stride_qp_s, stride_qp_h, row0, S_Q * H, bt_row, bt_row, stride_bt_p,
+                       lo, hi, seq_len - S_Q, n_blocks, qk_scale,
+                       out + b * stride_o_b + split * stride_o_split, stride_o_row,
+                       lse + b * stride_lse_b + split * stride_lse_split, write_out,
+                       q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent, H, L, R, PAGE, False)),
+            (_group1, (q_pe + b * stride_qp_b, stride_qp_s, stride_qp_h, row0, S_Q * H, bt_row, bt_row, stride_bt_p,
+                       lo, hi, seq_len - S_Q, n_blocks, qk_scale,
+                       out + b * stride_o_b + split * stride_o_split, stride_o_row,
+                       lse + b * stride_lse_b + split * stride_lse_split, write_out,
+                       q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent, H, L, R, PAGE, False)),
+            (_tma_loader, (half_desc, pe_desc, bt_row, stride_bt_p, lo, n_blocks, k_half, k_rope, ready, free, L,
+                           PAGE)),
+        ], [4, 1], [232, 40])  # COMPUTE_REGS, LOADER_REGS
+
+    @gluon.jit
+    def _sparse_kernel(
+        qn_ptr, qp_ptr, cache_ptr, topk_ptr, req_ptr, bt_ptr, out_ptr, lse_ptr,
+        num_heads, num_reqs, topk, max_len, qk_scale,  # qk_scale: softmax_scale * log2(e)
+        stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_cp, stride_cs, stride_kt, stride_bt,
+        stride_ot, stride_oh, stride_lt,
+        L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr,
+    ):
+        """sparse_mla: one program per (token, 64 heads), as sparse_wgmma's (the head block
+        fastest, so a token's two programs at H=128 read its rows side by side, the second from
+        L2). Block j is the token's selected keys 64 j..64 j + 63."""
+        BH: gl.constexpr = 64
+        BN: gl.constexpr = 64
+        head_blocks = (num_heads + BH - 1) // BH
+        pid = gl.program_id(0)
+        tok = (pid // head_blocks).to(gl.int64)
+        head0 = (pid % head_blocks) * BH
+        req = gl.load(req_ptr + tok)
+        req = gl.where(req < 0, req + num_reqs, req)  # as the reference's torch indexing reads it
+        bt_row = bt_ptr + req.to(gl.int64) * stride_bt
+        topk_row = topk_ptr + tok * stride_kt
+        n_blocks = (topk + BN - 1) // BN
+
+        half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, L // 2], gl.bfloat16)
+        rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, R], gl.bfloat16)
+        q_half = _q_latent_to_shared(qn_ptr + tok * stride_qnt, stride_qnh, 0, head0, num_heads, 1, L, half_layout)
+        k_half, k_rope, p_tiles, xchg, ready, free, sent = _allocate(half_layout, rope_layout, L, R, 128)
+        gl.warp_specialize([
+            (_group0, (qp_ptr + tok * stride_qpt, stride_qph, 0, head0, num_heads, topk_row, bt_row, 1,
+                       0, topk, max_len, n_blocks, qk_scale, out_ptr + tok * stride_ot, stride_oh,
+                       lse_ptr + tok * stride_lt, True,
+                       q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent, 1, L, R, PAGE, True)),
+            (_group1, (qp_ptr + tok * stride_qpt, stride_qph, 0, head0, num_heads, topk_row, bt_row, 1,
+                       0, topk, max_len, n_blocks, qk_scale, out_ptr + tok * stride_ot, stride_oh,
+                       lse_ptr + tok * stride_lt, True,
+                       q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent, 1, L, R, PAGE, True)),
+            (_gather_loader, (cache_ptr, topk_row, bt_row, topk, max_len, stride_cp, stride_cs, n_blocks, k_half,
+                              k_rope, ready, free, L, R, PAGE)),
+        ], [4, 4], [232, 40])  # COMPUTE_REGS, LOADER_REGS; the loader a whole warp group here
+
+    @gluon.jit
+    def _q_latent_to_shared(q_base, stride_s, stride_h, row0, n_rows, H: gl.constexpr, L: gl.constexpr,
+                            layout: gl.constexpr):
+        """q's latent part of rows row0..row0+63 (row r at q_base + (r // H) stride_s + (r % H)
+        stride_h; rows >= n_rows: zeros) -> shared memory as two [64, L/2] halves."""
+        LH: gl.constexpr = L // 2
+        rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, _tile_layout(LH)))
         cols = gl.arange(0, LH, layout=gl.SliceLayout(0, _tile_layout(LH)))
-        q_rows = q_nope + b * stride_qn_b + (rows // H) * stride_qn_s + (rows % H) * stride_qn_h
-        q_half = gl.allocate_shared_memory(gl.bfloat16, [2, BH, LH], half_desc.layout)
+        q_rows = q_base + (rows // H) * stride_s + (rows % H) * stride_h
+        q_half = gl.allocate_shared_memory(gl.bfloat16, [2, 64, LH], layout)
         for h in gl.static_range(2):
-            x = gl.load(q_rows[:, None] + (h * LH + cols)[None, :], mask=(rows < S_Q * H)[:, None], other=0.0)
+            x = gl.load(q_rows[:, None] + (h * LH + cols)[None, :], mask=(rows < n_rows)[:, None], other=0.0)
             q_half.index(h).store(x.to(gl.bfloat16))
+        return q_half
 
-        # Key buffers: [block of the pair (2) x latent half (2)] and [block (2)] rope; the pair's P
-        # tiles; the row exchanges (0: m0, 1: rowsum P0, 2: m1, 3: rowsum P1).
-        k_half = gl.allocate_shared_memory(gl.bfloat16, [4, BN, LH], half_desc.layout)
-        k_rope = gl.allocate_shared_memory(gl.bfloat16, [2, BN, R], pe_desc.layout)
-        p_tiles = gl.allocate_shared_memory(gl.bfloat16, [2, BH, BN],
+    @gluon.jit
+    def _allocate(half_layout: gl.constexpr, rope_layout: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+                  READY_COUNT: gl.constexpr):
+        """The pair's key buffers ([block of the pair (2) x latent half (2)] and [block (2)] rope),
+        its P tiles, the row exchanges (0: m0, 1: rowsum P0, 2: m1, 3: rowsum P1) and barriers.
+        Per copy (block b, part g: 0 latent left, 1 latent right, 2 rope; index 3 b + g): ready
+        (its bytes landed: READY_COUNT arrivals) and free (its last reader is done). Then the
+        exchanges, one arrival a pair each: m0 sent (0 -> 1), P1 sent (1 -> 0), P0 sent (0 -> 1)."""
+        k_half = gl.allocate_shared_memory(gl.bfloat16, [4, 64, L // 2], half_layout)
+        k_rope = gl.allocate_shared_memory(gl.bfloat16, [2, 64, R], rope_layout)
+        p_tiles = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64],
                                             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-        xchg = gl.allocate_shared_memory(gl.float32, [4 * BH], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        # Per copy (block b, part g: 0 latent left, 1 latent right, 2 rope; index 3 b + g): ready
-        # (the loader's bytes in) and free (its last reader is done). Then the exchanges, one
-        # arrival a pair each: m0 sent (0 -> 1), P1 sent (1 -> 0), P0 sent (0 -> 1).
+        xchg = gl.allocate_shared_memory(gl.float32, [4 * 64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         ready = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
         sent = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(6):
-            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(ready.index(i), count=READY_COUNT)
             mbarrier.init(free.index(i), count=1)
         for i in gl.static_range(3):
             mbarrier.init(sent.index(i), count=1)
         fence_async_shared()
         _cta_barrier()
-
-        # (the arguments are spelled out in each tuple: a tuple assigned to a name first would turn
-        # its constexprs into tensors)
-        gl.warp_specialize([
-            (_group0, (q_pe, bt_row, out, lse, qk_scale, stride_qp_b, stride_qp_s, stride_qp_h, stride_bt_p,
-                       stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split, b, row_block, split,
-                       seq_len, lo, hi, n_blocks, q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent,
-                       S_Q, H, L, R, PAGE, DIRECT)),
-            (_group1, (q_pe, bt_row, out, lse, qk_scale, stride_qp_b, stride_qp_s, stride_qp_h, stride_bt_p,
-                       stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split, b, row_block, split,
-                       seq_len, lo, hi, n_blocks, q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent,
-                       S_Q, H, L, R, PAGE, DIRECT)),
-            (_loader, (half_desc, pe_desc, bt_row, stride_bt_p, lo, n_blocks, k_half, k_rope, ready, free, L, PAGE)),
-        ], [4, 1], [232, 40])  # COMPUTE_REGS, LOADER_REGS
+        return k_half, k_rope, p_tiles, xchg, ready, free, sent
 
     @gluon.jit
-    def _loader(half_desc, pe_desc, bt_row, stride_bt_p, lo, n_blocks, k_half, k_rope, ready, free,
-                L: gl.constexpr, PAGE: gl.constexpr):
-        """Each pair of blocks as six copies, in the order their slots are freed in the pair before
-        (K0's and K1's rope parts after the scores, K0_L after P0 V0_L, K1_R after P1 V1_R, K0_R and
-        K1_L last), so a copy never waits behind one that is freed later. A block lies in one page;
-        a -1 page gives a negative row: zeros."""
+    def _tma_loader(half_desc, pe_desc, bt_row, stride_bt_p, lo, n_blocks, k_half, k_rope, ready, free,
+                    L: gl.constexpr, PAGE: gl.constexpr):
+        """Dense: each pair of blocks as six copies, in the order their slots are freed in the pair
+        before (K0's and K1's rope parts after the scores, K0_L after P0 V0_L, K1_R after P1 V1_R,
+        K0_R and K1_L last), so a copy never waits behind one that is freed later. A block lies in
+        one page; a -1 page gives a negative row: zeros."""
         BN: gl.constexpr = 64
         LH: gl.constexpr = L // 2
         for pair in range(0, (n_blocks + 1) // 2):
@@ -191,43 +251,108 @@ if AVAILABLE:
             _tma_load(desc, [row, col], ready_bar, buf)
 
     @gluon.jit
-    def _q_rope_operand(q_pe, stride_qp_b, stride_qp_s, stride_qp_h, b, row_block, S_Q: gl.constexpr,
-                        H: gl.constexpr, R: gl.constexpr):
+    def _gather_loader(cache_ptr, topk_row, bt_row, topk, max_len, stride_cp, stride_cs, n_blocks, k_half, k_rope,
+                       ready, free, L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr):
+        """Sparse: the same six parts a pair, in the same order, each gathered row by row with
+        asynchronous copies (16 bytes a lane; the copy engine cannot gather rows on Hopper) by a
+        warp group of 40 registers a thread, each lane's copies arriving on the part's ready
+        barrier as they land (128 arrivals). A -1
+        index, a position past the table or a -1 page is a masked copy: zeros."""
+        BN: gl.constexpr = 64
+        LH: gl.constexpr = L // 2
+        for pair in range(0, (n_blocks + 1) // 2):
+            phase = pair & 1
+            has1 = 2 * pair + 1 < n_blocks
+            j0 = 2 * pair * BN
+            j1 = j0 + BN
+            _gather(cache_ptr, topk_row, bt_row, j0, topk, max_len, stride_cp, stride_cs, L, R, free.index(2),
+                    ready.index(2), k_rope.index(0), phase, True, PAGE)
+            _gather(cache_ptr, topk_row, bt_row, j1, topk, max_len, stride_cp, stride_cs, L, R, free.index(5),
+                    ready.index(5), k_rope.index(1), phase, has1, PAGE)
+            _gather(cache_ptr, topk_row, bt_row, j0, topk, max_len, stride_cp, stride_cs, 0, LH, free.index(0),
+                    ready.index(0), k_half.index(0), phase, True, PAGE)
+            _gather(cache_ptr, topk_row, bt_row, j1, topk, max_len, stride_cp, stride_cs, LH, LH, free.index(4),
+                    ready.index(4), k_half.index(3), phase, has1, PAGE)
+            _gather(cache_ptr, topk_row, bt_row, j0, topk, max_len, stride_cp, stride_cs, LH, LH, free.index(1),
+                    ready.index(1), k_half.index(1), phase, True, PAGE)
+            _gather(cache_ptr, topk_row, bt_row, j1, topk, max_len, stride_cp, stride_cs, 0, LH, free.index(3),
+                    ready.index(3), k_half.index(2), phase, has1, PAGE)
+
+    @gluon.jit
+    def _gather(cache_ptr, topk_row, bt_row, start, topk, max_len, stride_cp, stride_cs, COL0: gl.constexpr,
+                COLS: gl.constexpr, free_bar, ready_bar, buf, phase, pred, PAGE: gl.constexpr):
+        """Columns COL0..COL0+COLS of the rows of selected keys start..start+63 -> buf [64, COLS],
+        16 rows a step (4 copies a lane), once the buffer is free; the lanes' arrivals on
+        ``ready_bar`` follow their copies."""
+        layout: gl.constexpr = _tile_layout(COLS)
+        RB: gl.constexpr = 16
+        if pred:
+            mbarrier.wait(free_bar, phase ^ 1)
+            cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+            for r in gl.static_range(64 // RB):
+                offs = start + r * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, layout))
+                pos = gl.load(topk_row + offs, mask=offs < topk, other=-1)
+                in_table = (pos >= 0) & (pos < max_len)
+                page = gl.load(bt_row + pos // PAGE, mask=in_table, other=-1)
+                rows = cache_ptr + page.to(gl.int64) * stride_cp + (pos % PAGE) * stride_cs + COL0
+                _cp_async(buf.slice(r * RB, RB, dim=0), rows[:, None] + cols[None, :],
+                          mask=(in_table & (page >= 0))[:, None])
+            async_copy.mbarrier_arrive(ready_bar, increment_count=False)
+
+    @gluon.jit
+    def _q_rope_operand(qp_base, qp_s, qp_h, row0, n_rows, H: gl.constexpr, R: gl.constexpr):
         """q's rope part [64, R] in registers, as the scores' left operand (loaded in that layout:
         a conversion would take 8 KB of shared memory a warp group)."""
         layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_s_layout(), k_width=2)
-        rows = row_block * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
         cols = gl.arange(0, R, layout=gl.SliceLayout(0, layout))
-        ptrs = q_pe + b * stride_qp_b + (rows // H) * stride_qp_s + (rows % H) * stride_qp_h
-        return gl.load(ptrs[:, None] + cols[None, :], mask=(rows < S_Q * H)[:, None], other=0.0).to(gl.bfloat16)
+        ptrs = qp_base + (rows // H) * qp_s + (rows % H) * qp_h
+        return gl.load(ptrs[:, None] + cols[None, :], mask=(rows < n_rows)[:, None], other=0.0).to(gl.bfloat16)
 
     @gluon.jit
-    def _block_scores(q_half, q_rope, k_half, k_rope, ready, slot: gl.constexpr, phase):
+    def _ready(ready, i: gl.constexpr, phase, SPARSE: gl.constexpr):
+        """Wait for copy i's bytes; gathered ones (written by the loader's lanes, not the copy
+        engine) are then fenced for the tensor cores' reads."""
+        mbarrier.wait(ready.index(i), phase)
+        if SPARSE:
+            fence_async_shared()
+
+    @gluon.jit
+    def _block_scores(q_half, q_rope, k_half, k_rope, ready, slot: gl.constexpr, phase, SPARSE: gl.constexpr):
         """S [64, 64] of the block in ``slot``: each of its three copies awaited in turn and its
         product issued as it lands, the part its slot frees last (K0_R, K1_L) last."""
         first: gl.constexpr = slot  # block 0: latent left first; block 1: latent right first
         s = gl.zeros([64, 64], gl.float32, layout=_s_layout())
-        mbarrier.wait(ready.index(slot * 3 + first), phase)
+        _ready(ready, slot * 3 + first, phase, SPARSE)
         s = warpgroup_mma(q_half.index(first), k_half.index(slot * 2 + first).permute((1, 0)), s, use_acc=False,
                           is_async=True)
-        mbarrier.wait(ready.index(slot * 3 + 2), phase)
+        _ready(ready, slot * 3 + 2, phase, SPARSE)
         s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), s, is_async=True)
-        mbarrier.wait(ready.index(slot * 3 + 1 - first), phase)
+        _ready(ready, slot * 3 + 1 - first, phase, SPARSE)
         s = warpgroup_mma(q_half.index(1 - first), k_half.index(slot * 2 + 1 - first).permute((1, 0)), s,
                           is_async=True)
         return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
     @gluon.jit
-    def _masked(s, bt_row, stride_bt_p, start, hi, seq_len, row_block, qk_scale, S_Q: gl.constexpr,
-                H: gl.constexpr, PAGE: gl.constexpr):
-        """Scores in base 2, -inf where a key is not visible to a row: past its causal limit, past
-        the split's end, or on a -1 page."""
+    def _masked(s, keys_ptr, bt_row, stride_bt_p, start, hi, limit_base, row0, qk_scale, H: gl.constexpr,
+                PAGE: gl.constexpr, SPARSE: gl.constexpr):
+        """Scores in base 2, -inf where a key is not visible to a row. Dense (keys start..start+63
+        of the cache): past the row's causal limit (limit_base + row // H), past the split's end
+        ``hi``, or on a -1 page. Sparse (selected keys start..start+63 of ``keys_ptr``): past the
+        ``hi`` selected, a -1 index, a position past ``limit_base`` (the table's length) or a -1
+        page."""
         layout: gl.constexpr = _s_layout()
-        rows = row_block * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-        pos = start + gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-        page = gl.load(bt_row + (start // PAGE) * stride_bt_p)
-        limit = seq_len - S_Q + rows // H
-        visible = (pos[None, :] <= limit[:, None]) & (pos < hi)[None, :] & (page >= 0)
+        keys = start + gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        if SPARSE:
+            pos = gl.load(keys_ptr + keys, mask=keys < hi, other=-1)
+            in_table = (pos >= 0) & (pos < limit_base)
+            page = gl.load(bt_row + pos // PAGE, mask=in_table, other=-1)
+            visible = (in_table & (page >= 0))[None, :]
+        else:
+            rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+            page = gl.load(bt_row + (start // PAGE) * stride_bt_p)
+            limit = limit_base + rows // H
+            visible = (keys[None, :] <= limit[:, None]) & (keys < hi)[None, :] & (page >= 0)
         return gl.where(visible, s * qk_scale, float("-inf"))
 
     @gluon.jit
@@ -237,8 +362,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _zero_tail(buf, valid):
-        """Rows ``valid``.. of a [64, cols] key buffer -> 0 (the split's partial last block: stale
-        rows of its page), made visible to the tensor cores of this warp group."""
+        """Rows ``valid``.. of a [64, cols] key buffer -> 0 (a dense split's partial last block:
+        stale rows of its page), made visible to the tensor cores of this warp group."""
         cols: gl.constexpr = buf.type.shape[1]
         for r in gl.static_range(4):
             sub = buf.slice(r * 16, 16, dim=0)
@@ -255,29 +380,28 @@ if AVAILABLE:
         return warpgroup_mma_wait(num_outstanding=0, deps=(o,))
 
     @gluon.jit
-    def _send_rows(xchg, i, x):
+    def _send_rows(xchg, i: gl.constexpr, x):
         """Row values x [64] -> exchange slot i (read by the other warp group after an mbarrier)."""
         xchg.slice(i * 64, 64).store(x)
 
     @gluon.jit
-    def _recv_rows(xchg, i, layout: gl.constexpr):
+    def _recv_rows(xchg, i: gl.constexpr, layout: gl.constexpr):
         """Exchange slot i as row values [64] in ``layout``."""
         return xchg.slice(i * 64, 64).load(layout)
 
     @gluon.jit
-    def _group0(q_pe, bt_row, out, lse, qk_scale, stride_qp_b, stride_qp_s, stride_qp_h, stride_bt_p,
-                stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split, b, row_block, split,
-                seq_len, lo, hi, n_blocks, q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent,
-                S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr,
-                DIRECT: gl.constexpr):
-        """Warp group 0: the even blocks' scores and softmax; output columns 0..L/2."""
+    def _group0(qp_base, qp_s, qp_h, row0, n_rows, keys_ptr, bt_row, stride_bt_p, lo, hi, limit_base, n_blocks,
+                qk_scale, out_base, out_row_stride, lse_base, write_out,
+                q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent,
+                H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, SPARSE: gl.constexpr):
+        """Warp group 0: the even blocks' scores and softmax; output columns 0..L/2, and lse."""
         BN: gl.constexpr = 64
         LH: gl.constexpr = L // 2
         ROW_S: gl.constexpr = gl.SliceLayout(1, _s_layout())
         O_L: gl.constexpr = _o_layout(LH)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
         P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-        q_rope = _q_rope_operand(q_pe, stride_qp_b, stride_qp_s, stride_qp_h, b, row_block, S_Q, H, R)
+        q_rope = _q_rope_operand(qp_base, qp_s, qp_h, row0, n_rows, H, R)
         m = gl.full([64], float("-inf"), gl.float32, layout=ROW_S)
         l_i = gl.zeros([64], gl.float32, layout=ROW_S)
         o = gl.zeros([64, LH], gl.float32, layout=O_L)
@@ -286,9 +410,9 @@ if AVAILABLE:
             start0 = lo + 2 * pair * BN
             start1 = start0 + BN
             has1 = 2 * pair + 1 < n_blocks
-            s = _block_scores(q_half, q_rope, k_half, k_rope, ready, 0, phase)
+            s = _block_scores(q_half, q_rope, k_half, k_rope, ready, 0, phase, SPARSE)
             mbarrier.arrive(free.index(2))  # K0's rope part: read by S0 only
-            s = _masked(s, bt_row, stride_bt_p, start0, hi, seq_len, row_block, qk_scale, S_Q, H, PAGE)
+            s = _masked(s, keys_ptr, bt_row, stride_bt_p, start0, hi, limit_base, row0, qk_scale, H, PAGE, SPARSE)
             m0 = gl.maximum(m, gl.max(s, axis=1))
             p0 = gl.exp2(s - _safe(m0)[:, None])
             rs0 = gl.sum(p0, axis=1)
@@ -298,8 +422,9 @@ if AVAILABLE:
             _cta_barrier()
             mbarrier.arrive(sent.index(0))
             # o_L = o_L * exp2(m - m0) + P0 V0_L
-            if start0 + BN > hi:
-                _zero_tail(k_half.index(0), hi - start0)
+            if not SPARSE:
+                if start0 + BN > hi:
+                    _zero_tail(k_half.index(0), hi - start0)
             o = o * gl.convert_layout(gl.exp2(m - _safe(m0)), ROW_O)[:, None]
             o = _pv(p0, k_half.index(0), o)
             _cta_barrier()
@@ -316,23 +441,22 @@ if AVAILABLE:
             mbarrier.arrive(sent.index(2))
             o = o * gl.convert_layout(scale1, ROW_O)[:, None]
             if has1:  # o_L += P1 V1_L
-                mbarrier.wait(ready.index(3), phase)
-                if start1 + BN > hi:
-                    _zero_tail(k_half.index(2), hi - start1)
+                _ready(ready, 3, phase, SPARSE)  # complete (S1 read it); awaited for visibility here
+                if not SPARSE:
+                    if start1 + BN > hi:
+                        _zero_tail(k_half.index(2), hi - start1)
                 o = _pv(p_tiles.index(1), k_half.index(2), o)
                 _cta_barrier()
                 mbarrier.arrive(free.index(3))  # K1_L: S1 (warp group 1, before it sent P1) and P1 V1_L
             l_i = l_i * gl.exp2(m - _safe(m1)) + rs0 * scale1 + rs1
             m = m1
-        _finish(o, m, l_i, out, lse, stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split,
-                b, row_block, split, lo, hi, 0, True, S_Q, H, DIRECT)
+        _finish(o, m, l_i, out_base, out_row_stride, lse_base, row0, n_rows, write_out, 0, True)
 
     @gluon.jit
-    def _group1(q_pe, bt_row, out, lse, qk_scale, stride_qp_b, stride_qp_s, stride_qp_h, stride_bt_p,
-                stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split, b, row_block, split,
-                seq_len, lo, hi, n_blocks, q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent,
-                S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr,
-                DIRECT: gl.constexpr):
+    def _group1(qp_base, qp_s, qp_h, row0, n_rows, keys_ptr, bt_row, stride_bt_p, lo, hi, limit_base, n_blocks,
+                qk_scale, out_base, out_row_stride, lse_base, write_out,
+                q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent,
+                H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, SPARSE: gl.constexpr):
         """Warp group 1: the odd blocks' scores and softmax; output columns L/2..L."""
         BN: gl.constexpr = 64
         LH: gl.constexpr = L // 2
@@ -340,7 +464,7 @@ if AVAILABLE:
         O_L: gl.constexpr = _o_layout(LH)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
         P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-        q_rope = _q_rope_operand(q_pe, stride_qp_b, stride_qp_s, stride_qp_h, b, row_block, S_Q, H, R)
+        q_rope = _q_rope_operand(qp_base, qp_s, qp_h, row0, n_rows, H, R)
         m = gl.full([64], float("-inf"), gl.float32, layout=ROW_S)
         l_i = gl.zeros([64], gl.float32, layout=ROW_S)
         o = gl.zeros([64, LH], gl.float32, layout=O_L)
@@ -350,9 +474,10 @@ if AVAILABLE:
             start1 = start0 + BN
             has1 = 2 * pair + 1 < n_blocks
             if has1:
-                s = _block_scores(q_half, q_rope, k_half, k_rope, ready, 1, phase)
+                s = _block_scores(q_half, q_rope, k_half, k_rope, ready, 1, phase, SPARSE)
                 mbarrier.arrive(free.index(5))  # K1's rope part: read by S1 only
-                s = _masked(s, bt_row, stride_bt_p, start1, hi, seq_len, row_block, qk_scale, S_Q, H, PAGE)
+                s = _masked(s, keys_ptr, bt_row, stride_bt_p, start1, hi, limit_base, row0, qk_scale, H, PAGE,
+                            SPARSE)
             else:  # an odd last block: nothing of K1, its scores all -inf
                 s = gl.full([64, 64], float("-inf"), gl.float32, layout=_s_layout())
             mbarrier.wait(sent.index(0), phase)
@@ -372,47 +497,44 @@ if AVAILABLE:
             # o_R = o_R * exp2(m - m1) + P1 V1_R
             o = o * gl.convert_layout(gl.exp2(m - _safe(m1)), ROW_O)[:, None]
             if has1:
-                if start1 + BN > hi:
-                    _zero_tail(k_half.index(3), hi - start1)
+                if not SPARSE:
+                    if start1 + BN > hi:
+                        _zero_tail(k_half.index(3), hi - start1)
                 o = _pv(p1, k_half.index(3), o)
                 _cta_barrier()
                 mbarrier.arrive(free.index(4))  # K1_R: S1 and P1 V1_R
             # o_R += P0 V0_R, P0 at m1's scale
             mbarrier.wait(sent.index(2), phase)
-            mbarrier.wait(ready.index(1), phase)  # complete (S0 read it); waited for visibility here
-            if start0 + BN > hi:
-                _zero_tail(k_half.index(1), hi - start0)
+            _ready(ready, 1, phase, SPARSE)  # complete (S0 read it); awaited for visibility here
+            if not SPARSE:
+                if start0 + BN > hi:
+                    _zero_tail(k_half.index(1), hi - start0)
             o = _pv(p_tiles.index(0), k_half.index(1), o)
             _cta_barrier()
             mbarrier.arrive(free.index(1))  # K0_R: S0 (warp group 0, before it sent m0) and P0 V0_R
             l_i = l_i * gl.exp2(m - _safe(m1)) + rs0 * gl.exp2(m0 - _safe(m1)) + rs1
             m = m1
-        _finish(o, m, l_i, out, lse, stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split,
-                b, row_block, split, lo, hi, L // 2, False, S_Q, H, DIRECT)
+        _finish(o, m, l_i, out_base, out_row_stride, lse_base, row0, n_rows, write_out, L // 2, False)
 
     @gluon.jit
-    def _finish(o, m, l_i, out, lse, stride_o_b, stride_o_split, stride_o_row, stride_lse_b, stride_lse_split,
-                b, row_block, split, lo, hi, COL0: gl.constexpr, WRITE_LSE: gl.constexpr, S_Q: gl.constexpr,
-                H: gl.constexpr, DIRECT: gl.constexpr):
-        """This warp group's columns of out = o / l, and (warp group 0) lse in natural log; a row
-        that saw no key: 0 and -inf. An empty split leaves its partial out unwritten (the combine
-        never reads it)."""
+    def _finish(o, m, l_i, out_base, out_row_stride, lse_base, row0, n_rows, write_out, COL0: gl.constexpr,
+                WRITE_LSE: gl.constexpr):
+        """This warp group's columns of out = o / l (rows row0.. at out_base + row * out_row_stride,
+        in out's dtype; not written where not ``write_out``: an empty split, which the combine
+        never reads), and (warp group 0) lse in natural log at lse_base + row. A row that saw no
+        key: 0 and -inf."""
         layout: gl.constexpr = o.type.layout
         has_key = l_i > 0.0
         l_safe = gl.where(has_key, l_i, 1.0)
         o = o * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, layout))[:, None]
-        rows = row_block * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
         cols = COL0 + gl.arange(0, o.type.shape[1], layout=gl.SliceLayout(0, layout))
-        ptrs = out + b * stride_o_b + split * stride_o_split + rows[:, None] * stride_o_row + cols[None, :]
-        row_ok = rows < S_Q * H
-        if DIRECT:
-            gl.store(ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None])
-        else:
-            gl.store(ptrs, o, mask=(row_ok & (lo < hi))[:, None])
+        ptrs = out_base + (row0 + rows)[:, None] * out_row_stride + cols[None, :]
+        gl.store(ptrs, o.to(out_base.dtype.element_ty), mask=((row0 + rows < n_rows) & write_out)[:, None])
         if WRITE_LSE:
-            rows_s = row_block * 64 + gl.arange(0, 64, layout=l_i.type.layout)
+            rows_s = gl.arange(0, 64, layout=l_i.type.layout)
             row_lse = gl.where(has_key, (m + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-            gl.store(lse + b * stride_lse_b + split * stride_lse_split + rows_s, row_lse, mask=rows_s < S_Q * H)
+            gl.store(lse_base + row0 + rows_s, row_lse, mask=row0 + rows_s < n_rows)
 
 
 def cache_descriptors(kv_cache, latent: int, rope: int):
@@ -429,12 +551,7 @@ def cache_descriptors(kv_cache, latent: int, rope: int):
 
 def compile_for_sm90(s_q: int = 1, heads: int = 128, splits: int = 2, latent: int = 512, rope: int = 64,
                      page: int = 64):
-    """The kernel built for sm_90 without a GPU (see :func:`.decode_wgmma.compile_for_sm90`)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = _seesaw_kernel
+    """The dense kernel built for sm_90 without a GPU (see :func:`.decode_wgmma.compile_for_sm90`)."""
     half = repr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, latent // 2], gl.bfloat16))
     pe = repr(gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], gl.bfloat16))
     types = {"q_nope": "*bf16", "q_pe": "*bf16", "cache": "*bf16", "block_table": "*i32", "seq_lens": "*i32",
@@ -442,9 +559,30 @@ def compile_for_sm90(s_q: int = 1, heads: int = 128, splits: int = 2, latent: in
              "half_desc": f"tensordesc<bf16[{BLOCK_N},{latent // 2}],{half}>",
              "pe_desc": f"tensordesc<bf16[{BLOCK_N},{rope}],{pe}>"}
     consts = dict(S_Q=s_q, H=heads, L=latent, R=rope, PAGE=page, MAX_SPLITS=splits, DIRECT=splits == 1)
+    # the block table's and seq_lens' strides are 1 and stay unmarked
+    return _compile(_dense_kernel, types, consts,
+                    lambda n: n == "MAX_LEN" or n.startswith(("stride_q", "stride_c", "stride_o", "stride_lse")))
+
+
+def compile_sparse_for_sm90(latent: int = 512, rope: int = 64, page: int = 64):
+    """The sparse kernel built for sm_90 without a GPU."""
+    types = {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "cache_ptr": "*bf16", "topk_ptr": "*i32", "req_ptr": "*i32",
+             "bt_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    consts = dict(L=latent, R=rope, PAGE=page)
+    strides = {"stride_qnt", "stride_qnh", "stride_qpt", "stride_qph", "stride_cp", "stride_cs", "stride_ot",
+               "stride_oh"}
+    return _compile(_sparse_kernel, types, consts, lambda n: n in strides)
+
+
+def _compile(fn, types: dict, consts: dict, div16_int):
+    """``fn`` built for sm_90: pointers and the integer arguments ``div16_int`` accepts marked
+    16-divisible, as the JIT specialises them at a launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    div16 = [n for n, t in signature.items()
-             if t.startswith("*") or n == "MAX_LEN" or n.startswith(("stride_q", "stride_c", "stride_o", "stride_lse"))]
+    div16 = [n for n, t in signature.items() if t.startswith("*") or (t == "i32" and div16_int(n))]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
     return triton.compile(GluonASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": NUM_WARPS, "maxnreg": MAX_REGS})

@@ -1,4 +1,4 @@
-"""The seesaw schedule's recurrence (mlagraph/ops/triton/decode_seesaw.py) in float64 against
+"""The seesaw schedule's recurrence (mlagraph/ops/triton/seesaw.py) in float64 against
 plain softmax attention: the kernel needs a Hopper GPU (its GPU tests are in test_decode.py), but
 the order in which it rescales the two output halves, the two blocks' P and the row sums is
 arithmetic that runs anywhere. Each line below is one step of the kernel's warp groups."""
@@ -19,7 +19,7 @@ def _safe(m):
 
 def seesaw(s, v):
     """s [rows, n] base-2 scores (-inf: masked), v [n, L] -> (out [rows, L], lse2 [rows]), blocks of
-    64 keys taken in pairs as decode_seesaw's warp groups take them."""
+    64 keys taken in pairs as seesaw's warp groups take them."""
     rows, n = s.shape
     half = v.shape[1] // 2
     m = torch.full((rows,), float("-inf"), dtype=s.dtype)
