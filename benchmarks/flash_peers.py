@@ -202,7 +202,8 @@ def bench_flash(rows, args, g):
         run.run("triton", triton_op, check, graph_fns=[triton_op] if graphed else None)
         if layout == "bf16":  # the Gluon form (sparse_wgmma, the default here) against the Triton kernel
             sweep(run, lambda config: triton_sparse.sparse_mla(*args_, config=config), check,
-                  [{"FORM": "rows"}, {"FORM": "wgmma", "num_stages": 1}], graphs=graphed)
+                  [{"FORM": "rows"}, {"FORM": "wgmma", "num_stages": 1}]
+                  + ([{"FORM": "wgmma", "SEESAW": True}] if args.seesaw else []), graphs=graphed)
         run.run("flashmla backend", ours, check, graph_fns=[ours] if graphed else None)
 
         def raw_sparse():

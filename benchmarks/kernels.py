@@ -991,8 +991,9 @@ def main() -> None:
     p.add_argument("--flash-parts", default="decode,sparse,prefill",
                    help="flash only: comma list of its parts (decode, sparse, prefill; heads: B=128 L=4096 decode at 1-128 heads)")
     p.add_argument("--seesaw", action="store_true",
-                   help="flash only: also time the seesaw Gluon decode (seesaw, opt-in until it has run "
-                        "on a GPU: a schedule that deadlocked would stall the run here)")
+                   help="flash only: also time the seesaw Gluon kernels (mlagraph/ops/triton/seesaw.py: dense "
+                        "decode and bf16 sparse; opt-in until they have run on a GPU: a schedule that deadlocked "
+                        "would stall the run here)")
     p.add_argument("--moe-cases", default="", help="moe only: comma list of V2-Lite-bf16, V3-bf16, V3-fp8 (default all)")
     p.add_argument("--moe-tokens", default="", help="moe only: comma list of token counts (default all)")
     p.add_argument("--sweep-pairs", action="store_true", help="moe only: also sweep the pair kernels' tiles")

@@ -77,10 +77,13 @@ def build_select(args):
 
 
 def build_seesaw(args):
-    """The seesaw Gluon decode kernel (mlagraph/ops/triton/seesaw.py): three partitions
-    (the registers reported are the launch's cap; each partition resets its own)."""
+    """The seesaw Gluon kernels (mlagraph/ops/triton/seesaw.py), dense decode or (``--layout
+    sparse``) sparse: three partitions (the registers reported are the launch's cap; each
+    partition resets its own)."""
     from mlagraph.ops.triton import seesaw
 
+    if args.layout == "sparse":
+        return seesaw.compile_sparse_for_sm90()
     return seesaw.compile_for_sm90(args.s_q, args.heads, args.splits)
 
 
@@ -199,7 +202,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--form", choices=["rows", "keys", "grouped", "wgmma", "sparse-wgmma", "indexer", "select", "seesaw"], default="keys")
     p.add_argument("--tma", action="store_true", help="keys form: whole blocks through tensor descriptors")
-    p.add_argument("--layout", choices=["bf16", "fp8", "fp8_ds"], default="bf16")
+    p.add_argument("--layout", choices=["bf16", "fp8", "fp8_ds", "sparse"], default="bf16",
+                   help="the cache layout; seesaw: sparse builds its sparse kernel")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--s-q", type=int, default=1)
     p.add_argument("--block-n", type=int, default=32)

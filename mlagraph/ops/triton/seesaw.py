@@ -1,6 +1,7 @@
-"""Gluon ``mla_decode`` for Hopper (sm_90) with the two warp groups on alternate key blocks: the
-"seesaw" schedule, opt-in (``config={"FORM": "wgmma", "SEESAW": True}``) until the device says it
-beats :mod:`.decode_wgmma`.
+"""Gluon MLA for Hopper (sm_90) with the two warp groups on alternate key blocks: the "seesaw"
+schedule, for ``mla_decode`` (bf16 caches, ``config={"FORM": "wgmma", "SEESAW": True}``) and
+``sparse_mla`` (bf16, the same config); opt-in until the device says they beat
+:mod:`.decode_wgmma` and :mod:`.sparse_wgmma`.
 
 Same math, splits, masks and partial outputs as :mod:`.decode_wgmma` (read its docstring first).
 What differs is who does what. There, both warp groups work on every block: each scores 32 of its
@@ -31,10 +32,18 @@ last, partial block is copied whole (one page's rows) and its rows past the spli
 zeroed in shared memory by the warp group that multiplies them by P (0 weight x a stale NaN
 would be NaN); a -1 page is read at a negative row: zeros, and its keys masked.
 
+The sparse kernel (one program per token and 64 heads, as :mod:`.sparse_wgmma`'s) runs the
+same two compute warp groups on a token's selected keys, 64 a block. Its loader is a whole warp
+group (40 registers a thread): the copy engine cannot gather rows on Hopper, so each part is
+gathered with asynchronous copies, 16 bytes a lane, each lane's copies arriving on the part's
+ready barrier as they land, and the readers fence them for the tensor cores. A -1 index, a
+position past the table or a -1 page is a masked copy: zeros, and its score masked.
+
 Shared memory at L=512, R=64: q's latent part 64 KB (its rope part, 16 registers a thread, is
 the scores' register operand) + 2 x 72 KB keys + 2 x 8 KB P + 1 KB of row exchanges = 225 KB:
 one program an SM. Registers: the launch caps 12 warps (three warp groups) at 168 a thread and
-each partition resets its own: the loader 40, each compute warp group 232.
+each partition resets its own: the loader 40, each compute warp group 232 (sm_90 builds under
+Triton 3.6: 320 B of spilled wgmma descriptors, dense; 408 B, sparse).
 """
 
 from __future__ import annotations
