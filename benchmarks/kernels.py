@@ -561,7 +561,10 @@ def bench_indexer(rows, args, g):
     # key blocks, more warps, shallower pipelines, twice or half the splits (default 17 here)
     configs = [{"fp16_dots": False}, {"block_n": 128, "num_warps": 8}, {"num_warps": 8}, {"num_stages": 3},
                {"splits": 34}, {"splits": 8}, {"prefetch": True}, {"prefetch": True, "block_n": 128},
-               {"prefetch": True, "block_n": 128, "num_warps": 8}]
+               {"prefetch": True, "block_n": 128, "num_warps": 8},
+               # and the selection: compaction steps of 8192 / 2048 columns (default 4096; a step
+               # costs 13 CTA barriers at 16 warps in sm_90 builds, whatever its width)
+               {"select_chunk": 8192}, {"select_chunk": 2048}]
     if args.sweep:  # the scores stage's grid (an H100 run had it at 88% of the op, 1.06 TB/s)
         tiles = ((32, 4), (64, 4), (128, 4), (128, 8), (256, 8))
         configs += [{"block_n": bn, "num_warps": w, "num_stages": st, **({"splits": sp} if sp else {})}
