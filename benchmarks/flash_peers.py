@@ -129,6 +129,10 @@ def bench_flash(rows, args, g):
         if args.sweep and h * s_q <= 32:
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
                   KEYS_SWEEP.get((s_q, b), KEYS_SWEEP.get(s_q, [])), graphs=True)
+        if args.new_forms and h * s_q <= 32:  # the keys form's Gluon twin with its loader warp
+            sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
+                  [{"FORM": "keys", "TMA": True, "WS": True}, {"FORM": "keys", "TMA": True, "WS": True, "MAX_SPLITS": 2}],
+                  graphs=True)
         if h * s_q > 16:
             # The Gluon form (the default on Hopper past 16 rows) against the forms it replaced.
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
@@ -136,7 +140,7 @@ def bench_flash(rows, args, g):
                    {"FORM": "wgmma", "OVERLAP": True}]
                   + ([{**KEYS_SWEEP_BASE, "BLOCK_H": 32}] if h * s_q <= 32 else [])
                   + ([{"FORM": "wgmma", "SEESAW": True}, {"FORM": "wgmma", "SEESAW": True, "MAX_SPLITS": 2}]
-                     if args.seesaw else []), graphs=True)
+                     if args.new_forms else []), graphs=True)
         mirrors = {table: table.cpu(), lens: lens.cpu()}
         for lib, backend, why, raw in (("flashmla", fm, fm_why, lambda: _raw_flashmla_decode(q_nope, q_pe, cache, table, lens, "bf16")),
                                        ("flashinfer", fi, fi_why, lambda: _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens))):
@@ -173,7 +177,11 @@ def bench_flash(rows, args, g):
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
                   [{**KEYS_SWEEP_BASE, "BLOCK_H": bh, "MAX_SPLITS": sp} for bh in (16, 32) for sp in (1, 2)]
                   + [{"FORM": "rows"}, {"FORM": "wgmma", "MAX_SPLITS": 2}]
-                  + ([{"FORM": "wgmma", "SEESAW": True}] if args.seesaw else []), graphs=True)
+                  + ([{"FORM": "wgmma", "SEESAW": True}] if args.new_forms else [])
+                  + ([{"FORM": "keys", "TMA": True, "WS": True}] if args.new_forms and h <= 32 else []), graphs=True)
+        elif args.new_forms:  # 1-16 heads: the keys form's Gluon twin
+            sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
+                  [{"FORM": "keys", "TMA": True, "WS": True}], graphs=True)
         run.peer("flashmla raw", lambda: _raw_flashmla_decode(q_nope, q_pe, cache, table, lens, "bf16"), check)
         run.peer("flashinfer raw", lambda: _raw_flashinfer_decode(q_nope, q_pe, cache, table, lens), check)
         del cache, table, lens, q_nope, q_pe, args_, check
@@ -203,7 +211,7 @@ def bench_flash(rows, args, g):
         if layout == "bf16":  # the Gluon form (sparse_wgmma, the default here) against the Triton kernel
             sweep(run, lambda config: triton_sparse.sparse_mla(*args_, config=config), check,
                   [{"FORM": "rows"}, {"FORM": "wgmma", "num_stages": 1}]
-                  + ([{"FORM": "wgmma", "SEESAW": True}] if args.seesaw else []), graphs=graphed)
+                  + ([{"FORM": "wgmma", "SEESAW": True}] if args.new_forms else []), graphs=graphed)
         run.run("flashmla backend", ours, check, graph_fns=[ours] if graphed else None)
 
         def raw_sparse():

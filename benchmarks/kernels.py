@@ -993,10 +993,10 @@ def main() -> None:
                    help="also time config variants of our kernels (triton's, and the aiter backend's decode)")
     p.add_argument("--flash-parts", default="decode,sparse,prefill",
                    help="flash only: comma list of its parts (decode, sparse, prefill; heads: B=128 L=4096 decode at 1-128 heads)")
-    p.add_argument("--seesaw", action="store_true",
-                   help="flash only: also time the seesaw Gluon kernels (mlagraph/ops/triton/seesaw.py: dense "
-                        "decode and bf16 sparse; opt-in until they have run on a GPU: a schedule that deadlocked "
-                        "would stall the run here)")
+    p.add_argument("--new-forms", action="store_true",
+                   help="flash only: also time the Gluon forms not yet run on a GPU (seesaw.py: dense decode past "
+                        "16 rows and bf16 sparse; decode_stream.py: the keys form's twin up to 32 rows). Opt-in: a "
+                        "schedule that deadlocked would stall the run here, so run their GPU tests first")
     p.add_argument("--moe-cases", default="", help="moe only: comma list of V2-Lite-bf16, V3-bf16, V3-fp8 (default all)")
     p.add_argument("--moe-tokens", default="", help="moe only: comma list of token counts (default all)")
     p.add_argument("--sweep-pairs", action="store_true", help="moe only: also sweep the pair kernels' tiles")

@@ -87,6 +87,13 @@ def build_seesaw(args):
     return seesaw.compile_for_sm90(args.s_q, args.heads, args.splits)
 
 
+def build_stream(args):
+    """The keys form's Gluon twin (mlagraph/ops/triton/decode_stream.py): 16 or 32 rows, a loader warp."""
+    from mlagraph.ops.triton import decode_stream
+
+    return decode_stream.compile_for_sm90(args.s_q, args.heads, args.splits)
+
+
 def build_sparse_wgmma(args):
     """The Gluon sparse MLA kernel (mlagraph/ops/triton/sparse_wgmma.py): bf16 cache, 64 heads a program."""
     from mlagraph.ops.triton import sparse_wgmma
@@ -117,6 +124,8 @@ def build(args):
         return build_select(args)
     if args.form == "seesaw":
         return build_seesaw(args)
+    if args.form == "stream":
+        return build_stream(args)
     if args.form == "sparse-wgmma":
         return build_sparse_wgmma(args)
     if args.form == "grouped":
@@ -200,7 +209,7 @@ def report(kernel) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--form", choices=["rows", "keys", "grouped", "wgmma", "sparse-wgmma", "indexer", "select", "seesaw"], default="keys")
+    p.add_argument("--form", choices=["rows", "keys", "grouped", "wgmma", "sparse-wgmma", "indexer", "select", "seesaw", "stream"], default="keys")
     p.add_argument("--tma", action="store_true", help="keys form: whole blocks through tensor descriptors")
     p.add_argument("--layout", choices=["bf16", "fp8", "fp8_ds", "sparse"], default="bf16",
                    help="the cache layout; seesaw: sparse builds its sparse kernel")

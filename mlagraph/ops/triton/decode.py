@@ -56,7 +56,7 @@ import triton.language as tl
 
 from ._decode_tiles import (_block_rows, _dot, _kv_len, _load_latent, _load_rope, _normalizer, _query_rows,
                             _score_scales, _split_len, _split_run)
-from . import decode_wgmma, seesaw
+from . import decode_stream, decode_wgmma, seesaw
 from .decode_keys import _split_keys_kernel
 from .decode_keys_fp8 import _split_keys_fp8_kernel
 from ._hardware import H200_SMS, hardware, interpreted
@@ -289,7 +289,7 @@ def _dot_width(dim: int) -> int:
 
 def _check_config(config: dict, override: dict) -> None:
     unknown = set(override) - {"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "MAX_SPLITS", "FP16_DOT", "FORM", "TMA",
-                               "OVERLAP", "SEESAW"}
+                               "OVERLAP", "SEESAW", "WS"}
     if unknown:
         raise ValueError(f"mla_decode config: unknown keys {sorted(unknown)}")
     for key in ("BLOCK_H", "BLOCK_N"):
@@ -318,6 +318,14 @@ def _check_config(config: dict, override: dict) -> None:
         return
     if config.get("SEESAW"):
         raise ValueError("mla_decode config: SEESAW needs FORM 'wgmma'")
+    if config.get("WS"):
+        # the Gluon keys form (decode_stream): its fixed block, two slots, up to 32 rows, TMA
+        want = {"FORM": "keys", "TMA": True, "BLOCK_N": decode_stream.BLOCK_N, "num_stages": decode_stream.STAGES}
+        for key, value in want.items():
+            if config[key] != value:
+                raise ValueError(f"mla_decode config: WS takes {key} {value}, got {config[key]}")
+        if config["BLOCK_H"] > 32:
+            raise ValueError(f"mla_decode config: WS takes BLOCK_H <= 32, got {config['BLOCK_H']}")
     if config.get("OVERLAP"):
         raise ValueError("mla_decode config: OVERLAP needs FORM 'wgmma'")
     if config["TMA"] and config["FORM"] != "keys":
@@ -385,7 +393,13 @@ def _launch_config(q_nope, kv_cache, layout: str, batch: int, rows: int, max_len
     latent = q_nope.shape[-1]
     picked = {"FORM", "TMA"} & set(config)
     on_gpu = q_nope.device.type == "cuda"
-    keys_tma = on_gpu and layout == "bf16" and rows <= 32 and not picked and tma_blocks(kv_cache, latent, rope, 64) is None
+    if config.get("WS"):  # the keys form's Gluon twin: where it cannot run, say why
+        why = wgmma_blocks(q_nope, kv_cache, layout, latent, rope)
+        if why is not None:
+            raise ValueError(f"mla_decode config: WS asked for, but {why}")
+    # (WS asks for the keys form's Gluon twin: it starts from the keys form's config)
+    keys_tma = (on_gpu and layout == "bf16" and rows <= 32 and (not picked or bool(config.get("WS")))
+                and tma_blocks(kv_cache, latent, rope, 64) is None)
     asked = config.get("FORM") == "wgmma"
     wgmma = asked or (WGMMA_BY_DEFAULT and not picked and rows > 16 and on_gpu)
     if wgmma:
@@ -415,7 +429,8 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
     """:func:`mla_decode` with optional overrides of :func:`default_config`'s keys (BLOCK_H,
     BLOCK_N, num_warps, num_stages, MAX_SPLITS, FP16_DOT, FORM "rows" | "keys" | "wgmma", TMA, and
     for the Gluon form OVERLAP (block j+1's scores issued before block j's P @ kv ends) or SEESAW
-    (the two warp groups on alternate blocks, :mod:`.seesaw`)); the keys not
+    (the two warp groups on alternate blocks, :mod:`.seesaw`); WS for the keys form: its Gluon
+    twin with a loader warp, :mod:`.decode_stream`); the keys not
     given keep their default. TMA where the cache's blocks cannot be copied whole is refused
     (:func:`tma_blocks` says why)."""
     check_runnable("mla_decode", _split_kernel, q_nope)
@@ -480,6 +495,11 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
             q_nope, q_pe, kv_cache, *descs, block_table, seq_lens, part_out, part_lse, *common,
             S_Q=s_q, H=heads, L=latent, R=rope, PAGE=page_size, MAX_SPLITS=max_splits, DIRECT=direct,
             STAGES=cfg["num_stages"], OVERLAP=bool(cfg.get("OVERLAP", False)), num_warps=decode_wgmma.NUM_WARPS)
+    elif cfg.get("WS"):  # (where it runs: checked in _launch_config)
+        decode_stream._stream_kernel[grid](
+            q_nope, q_pe, kv_cache, *decode_wgmma.cache_descriptors(kv_cache, latent, rope), block_table, seq_lens,
+            part_out, part_lse, *common, S_Q=s_q, H=heads, L=latent, R=rope, PAGE=page_size, BLOCK_H=block_h,
+            MAX_SPLITS=max_splits, DIRECT=direct, num_warps=decode_stream.NUM_WARPS)
     elif cfg["FORM"] == "rows":
         _split_kernel[grid](q_nope, q_pe, kv_cache, block_table, seq_lens, fp8_scale, part_out, part_lse,
                             *common, **meta)

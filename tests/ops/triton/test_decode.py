@@ -291,6 +291,26 @@ def test_deepseek_shapes_keys_major(device, kind, s_q, config):
     assert_padding(out, lse, DS_LENS, s_q)
 
 
+WS = {"FORM": "keys", "TMA": True, "WS": True}  # the keys form's Gluon twin (decode_stream)
+
+
+@cuda_only
+@pytest.mark.parametrize("config", [WS, {**WS, "MAX_SPLITS": 1}, {**WS, "MAX_SPLITS": 3}, {**WS, "BLOCK_H": 16}],
+                         ids=["ws", "ws_direct", "ws_splits3", "ws_rows16"])
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("heads", [1, 8, 16])
+def test_deepseek_shapes_stream(device, heads, s_q, config):
+    """The Gluon keys form with its loader warp, on Hopper: partial last blocks, a block of
+    exactly 64, a padding and a one-token request, a -1 page among request 0's whole blocks,
+    split boundaries, and (rows16 at 16 heads, s_q 2) two row blocks a request."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forms are sm_90 only")
+    args = decode_args("bf16", DS_LENS, s_q, DS_PAGE, heads=heads, latent=DS_L, rope=DS_R, q_dtype=torch.bfloat16)
+    args[3][0, 3] = -1
+    out, lse = check(args, device, config=config, **BF16_TOL)
+    assert_padding(out, lse, DS_LENS, s_q)
+
+
 KEYS_ROWS = {**GPU_KEYS, "TMA": True, "num_warps": 4}
 HEAD_COUNT_CASES = [("bf16", None), ("fp8_ds", None), ("bf16", {**KEYS_ROWS, "BLOCK_H": 16}),
                     ("bf16", {**KEYS_ROWS, "BLOCK_H": 32})]  # the keys-major TMA form reads bf16 caches
@@ -469,6 +489,17 @@ def test_wgmma_config_is_checked():
         kernels()._check_config({**wgmma, "OVERLAP": True, "SEESAW": True}, {"OVERLAP": True, "SEESAW": True})
     with pytest.raises(ValueError, match="SEESAW needs FORM 'wgmma'"):
         kernels().mla_decode_with_config(*args, config={"SEESAW": True})
+    keys = kernels().default_config(2, 16, 4096, 512, "bf16", torch.bfloat16, 132, keys_tma=True)
+    assert keys["FORM"] == "keys" and keys["TMA"]
+    kernels()._check_config({**keys, "WS": True}, {"WS": True})  # the keys form's config takes WS
+    with pytest.raises(ValueError, match="WS takes num_stages 2, got 3"):
+        kernels()._check_config({**keys, "WS": True, "num_stages": 3}, {"WS": True, "num_stages": 3})
+    with pytest.raises(ValueError, match="WS takes FORM keys, got rows"):
+        kernels()._check_config({**keys, "WS": True, "FORM": "rows", "TMA": False}, {"WS": True, "FORM": "rows"})
+    with pytest.raises(ValueError, match="WS asked for, but it needs a Hopper GPU"):
+        kernels().mla_decode_with_config(*args, config={"FORM": "keys", "TMA": True, "WS": True})
+    with pytest.raises(ValueError, match="WS takes BLOCK_H <= 32, got 64"):
+        kernels()._check_config({**keys, "WS": True, "BLOCK_H": 64}, {"WS": True, "BLOCK_H": 64})
     wg = kernels().default_config(128, 128, 4096, 512, "bf16", torch.bfloat16, 132, wgmma=True)
     assert (wg["BLOCK_H"], wg["BLOCK_N"], wg["num_warps"], wg["num_stages"], wg["TMA"]) == (64, 64, 8, 2, True)
     assert wg["MAX_SPLITS"] == 1  # 256 programs on 132 SMs: two nearly full waves
@@ -503,6 +534,23 @@ def test_wgmma_kernel_builds_for_sm90():
     for wgmma, mma_sync, shared in helpers.sm90_build_report(code):
         assert wgmma > 0 and mma_sync == 0
         assert 0 < shared <= decode_wgmma.shared_bytes(512, 64, 2) <= decode_wgmma.SHARED_LIMIT
+
+
+def test_stream_kernel_builds_for_sm90():
+    """The Gluon keys form (decode_stream) built for sm_90 offline at 16 and 32 rows, direct and
+    split: warp-group MMAs only, no spill, its shared memory within its launcher's bound."""
+    decode_stream = importlib.import_module("mlagraph.ops.triton.decode_stream")
+    if not decode_stream.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    code = ("import json; from mlagraph.ops.triton import decode_stream as d\n"
+            "builds = [(d.compile_for_sm90(s_q=s_q, heads=16, splits=splits), 16 * s_q)"
+            " for s_q, splits in ((1, 1), (2, 2))]\n"
+            "print(json.dumps([[k.asm['ptx'].count('wgmma.mma_async'), k.asm['ptx'].count('mma.sync'),"
+            " k.metadata.shared, d.shared_bytes(rows, 512, 64)] for k, rows in builds]))")
+    limit = importlib.import_module("mlagraph.ops.triton.decode_wgmma").SHARED_LIMIT
+    for wgmma, mma_sync, shared, bound in helpers.sm90_build_report(code):
+        assert wgmma > 0 and mma_sync == 0
+        assert 0 < shared <= bound <= limit
 
 
 def test_seesaw_kernel_builds_for_sm90():
