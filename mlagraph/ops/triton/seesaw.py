@@ -420,6 +420,7 @@ if AVAILABLE:
             start1 = start0 + BN
             has1 = 2 * pair + 1 < n_blocks
             s = _block_scores(q_half, q_rope, k_half, k_rope, ready, 0, phase, SPARSE)
+            _cta_barrier()  # every warp past the scores' wait
             mbarrier.arrive(free.index(2))  # K0's rope part: read by S0 only
             s = _masked(s, keys_ptr, bt_row, stride_bt_p, start0, hi, limit_base, row0, qk_scale, H, PAGE, SPARSE)
             m0 = gl.maximum(m, gl.max(s, axis=1))
@@ -484,6 +485,7 @@ if AVAILABLE:
             has1 = 2 * pair + 1 < n_blocks
             if has1:
                 s = _block_scores(q_half, q_rope, k_half, k_rope, ready, 1, phase, SPARSE)
+                _cta_barrier()  # every warp past the scores' wait
                 mbarrier.arrive(free.index(5))  # K1's rope part: read by S1 only
                 s = _masked(s, keys_ptr, bt_row, stride_bt_p, start1, hi, limit_base, row0, qk_scale, H, PAGE,
                             SPARSE)
