@@ -257,6 +257,11 @@ def bench_decode(rows, args, g):
             dec = kernels("decode").mla_decode_with_config
             cfgs = DECODE_SWEEP.get((h, layout, s_q, b), DECODE_SWEEP.get((h, layout, s_q), []))
             sweep(run, lambda config: dec(*args_, config=config), check, cfgs, graphs=True)
+        if args.new_forms and h * s_q <= 32:  # the keys form's Gluon twin (decode_stream), every layout
+            dec = kernels("decode").mla_decode_with_config
+            sweep(run, lambda config: dec(*args_, config=config), check,
+                  [{"FORM": "keys", "TMA": True, "WS": True}, {"FORM": "keys", "TMA": True, "WS": True, "num_stages": 2}],
+                  graphs=True)
         run.run("eager", lambda: REF.mla_decode(*args_), check)
         if s_q > 1:
             continue  # the peers below take one query token (the flash workload has FlashMLA / FlashInfer at s_q 2)
@@ -994,9 +999,10 @@ def main() -> None:
     p.add_argument("--flash-parts", default="decode,sparse,prefill",
                    help="flash only: comma list of its parts (decode, sparse, prefill; heads: B=128 L=4096 decode at 1-128 heads)")
     p.add_argument("--new-forms", action="store_true",
-                   help="flash only: also time the Gluon forms not yet run on a GPU (seesaw.py: dense decode past "
-                        "16 rows and bf16 sparse; decode_stream.py: the keys form's twin up to 32 rows). Opt-in: a "
-                        "schedule that deadlocked would stall the run here, so run their GPU tests first")
+                   help="flash and decode: also time the Gluon forms not yet run on a GPU (seesaw.py: dense decode "
+                        "past 16 rows and bf16 sparse; decode_stream.py: the keys form's twin up to 32 rows, every "
+                        "cache layout). Opt-in: a schedule that deadlocked would stall the run here, so run their "
+                        "GPU tests first")
     p.add_argument("--moe-cases", default="", help="moe only: comma list of V2-Lite-bf16, V3-bf16, V3-fp8 (default all)")
     p.add_argument("--moe-tokens", default="", help="moe only: comma list of token counts (default all)")
     p.add_argument("--sweep-pairs", action="store_true", help="moe only: also sweep the pair kernels' tiles")

@@ -241,11 +241,7 @@ def default_config(batch: int, rows: int, max_len: int, kv_lora_rank: int, layou
         return _wgmma_config(batch, rows, max_len, num_sms)
     block_h = min(16 if fp32 else 64, max(16, triton.next_power_of_2(rows)))
     if keys_tma and layout == "bf16" and not fp32 and rows <= 32:
-        cap = max(1, min(64, triton.cdiv(max_len, 64)))
-        # few requests: a split per key block, if the SMs hold them (B=1 L=1024: 16 splits)
-        splits = cap if batch * cap <= num_sms else _pick_splits(batch, num_sms, cap)
-        return {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "MAX_SPLITS": splits,
-                "FP16_DOT": False, "FORM": "keys", "TMA": True}
+        return _keys_tma_config(batch, rows, max_len, num_sms)
     if fp32:
         block_n, num_warps, num_stages, ctas_per_sm = 16, 4, 1, 1
     elif block_h >= 64:
@@ -269,6 +265,15 @@ def default_config(batch: int, rows: int, max_len: int, kv_lora_rank: int, layou
     fp16_dot = layout != "bf16" and q_dtype == torch.bfloat16
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,
             "MAX_SPLITS": max_splits, "FP16_DOT": fp16_dot, "FORM": "rows", "TMA": False}
+
+
+def _keys_tma_config(batch: int, rows: int, max_len: int, num_sms: int) -> dict:
+    """The keys-major TMA form's config (see :func:`default_config`), its Gluon twin's too."""
+    cap = max(1, min(64, triton.cdiv(max_len, 64)))
+    # few requests: a split per key block, if the SMs hold them (B=1 L=1024: 16 splits)
+    splits = cap if batch * cap <= num_sms else _pick_splits(batch, num_sms, cap)
+    return {"BLOCK_H": max(16, triton.next_power_of_2(rows)), "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
+            "MAX_SPLITS": splits, "FP16_DOT": False, "FORM": "keys", "TMA": True}
 
 
 def _wgmma_config(batch: int, rows: int, max_len: int, num_sms: int) -> dict:
@@ -319,8 +324,9 @@ def _check_config(config: dict, override: dict) -> None:
     if config.get("SEESAW"):
         raise ValueError("mla_decode config: SEESAW needs FORM 'wgmma'")
     if config.get("WS"):
-        # the Gluon keys form (decode_stream): its fixed block, two slots, up to 32 rows, TMA
-        want = {"FORM": "keys", "TMA": True, "BLOCK_N": decode_stream.BLOCK_N, "num_stages": decode_stream.STAGES}
+        # the Gluon keys form (decode_stream): its fixed block, up to 32 rows, TMA (its slots are
+        # checked against shared memory at the launch, where the layout is known)
+        want = {"FORM": "keys", "TMA": True, "BLOCK_N": decode_stream.BLOCK_N}
         for key, value in want.items():
             if config[key] != value:
                 raise ValueError(f"mla_decode config: WS takes {key} {value}, got {config[key]}")
@@ -393,13 +399,18 @@ def _launch_config(q_nope, kv_cache, layout: str, batch: int, rows: int, max_len
     latent = q_nope.shape[-1]
     picked = {"FORM", "TMA"} & set(config)
     on_gpu = q_nope.device.type == "cuda"
-    if config.get("WS"):  # the keys form's Gluon twin: where it cannot run, say why
-        why = wgmma_blocks(q_nope, kv_cache, layout, latent, rope)
+    if config.get("WS"):  # the keys form's Gluon twin, any layout: where it cannot run, say why
+        why = (decode_stream.why_not(q_nope, kv_cache, layout, latent, rope)
+               or tma_blocks(kv_cache, latent, rope, decode_stream.BLOCK_N))
         if why is not None:
             raise ValueError(f"mla_decode config: WS asked for, but {why}")
-    # (WS asks for the keys form's Gluon twin: it starts from the keys form's config)
-    keys_tma = (on_gpu and layout == "bf16" and rows <= 32 and (not picked or bool(config.get("WS")))
-                and tma_blocks(kv_cache, latent, rope, 64) is None)
+        cfg = {**_keys_tma_config(batch, rows, max_len, _num_sms(q_nope.device)),
+               "num_stages": decode_stream.pick_stages(max(16, triton.next_power_of_2(rows)), latent, rope, layout)}
+        cfg.update(config)
+        _check_config(cfg, config)
+        decode_stream.check_stages(cfg["BLOCK_H"], latent, rope, layout, cfg["num_stages"])
+        return cfg
+    keys_tma = on_gpu and layout == "bf16" and rows <= 32 and not picked and tma_blocks(kv_cache, latent, rope, 64) is None
     asked = config.get("FORM") == "wgmma"
     wgmma = asked or (WGMMA_BY_DEFAULT and not picked and rows > 16 and on_gpu)
     if wgmma:
@@ -495,11 +506,17 @@ def mla_decode_with_config(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
             q_nope, q_pe, kv_cache, *descs, block_table, seq_lens, part_out, part_lse, *common,
             S_Q=s_q, H=heads, L=latent, R=rope, PAGE=page_size, MAX_SPLITS=max_splits, DIRECT=direct,
             STAGES=cfg["num_stages"], OVERLAP=bool(cfg.get("OVERLAP", False)), num_warps=decode_wgmma.NUM_WARPS)
-    elif cfg.get("WS"):  # (where it runs: checked in _launch_config)
-        decode_stream._stream_kernel[grid](
-            q_nope, q_pe, kv_cache, *decode_wgmma.cache_descriptors(kv_cache, latent, rope), block_table, seq_lens,
-            part_out, part_lse, *common, S_Q=s_q, H=heads, L=latent, R=rope, PAGE=page_size, BLOCK_H=block_h,
-            MAX_SPLITS=max_splits, DIRECT=direct, num_warps=decode_stream.NUM_WARPS)
+    elif cfg.get("WS"):  # (where it runs and its slots: checked in _launch_config)
+        descs = decode_stream.cache_descriptors(kv_cache, layout, latent, rope)
+        shape = dict(S_Q=s_q, H=heads, L=latent, R=rope, PAGE=page_size, BLOCK_H=block_h, MAX_SPLITS=max_splits,
+                     DIRECT=direct, num_warps=decode_stream.NUM_WARPS)
+        if layout == "bf16":
+            decode_stream._stream_kernel[grid](q_nope, q_pe, kv_cache, *descs, block_table, seq_lens, part_out,
+                                               part_lse, *common, **shape)
+        else:
+            decode_stream._stream_fp8_kernel[grid](
+                q_nope, q_pe, kv_cache, *descs, block_table, seq_lens, scale if layout == "fp8" else part_lse,
+                part_out, part_lse, *common, LAYOUT=_LAYOUT_IDS[layout], NS=cfg["num_stages"], **shape)
     elif cfg["FORM"] == "rows":
         _split_kernel[grid](q_nope, q_pe, kv_cache, block_table, seq_lens, fp8_scale, part_out, part_lse,
                             *common, **meta)

@@ -295,20 +295,40 @@ WS = {"FORM": "keys", "TMA": True, "WS": True}  # the keys form's Gluon twin (de
 
 
 @cuda_only
-@pytest.mark.parametrize("config", [WS, {**WS, "MAX_SPLITS": 1}, {**WS, "MAX_SPLITS": 3}, {**WS, "BLOCK_H": 16}],
-                         ids=["ws", "ws_direct", "ws_splits3", "ws_rows16"])
+@pytest.mark.parametrize("config", [WS, {**WS, "MAX_SPLITS": 1}, {**WS, "MAX_SPLITS": 3}, {**WS, "BLOCK_H": 16},
+                                    {**WS, "num_stages": 2}],
+                         ids=["ws", "ws_direct", "ws_splits3", "ws_rows16", "ws_two_slots"])
 @pytest.mark.parametrize("s_q", [1, 2])
 @pytest.mark.parametrize("heads", [1, 8, 16])
-def test_deepseek_shapes_stream(device, heads, s_q, config):
-    """The Gluon keys form with its loader warp, on Hopper: partial last blocks, a block of
-    exactly 64, a padding and a one-token request, a -1 page among request 0's whole blocks,
-    split boundaries, and (rows16 at 16 heads, s_q 2) two row blocks a request."""
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_ds"])
+def test_deepseek_shapes_stream(device, kind, heads, s_q, config):
+    """The Gluon keys form with its loader warp, on Hopper, every cache layout (the fp8 ones
+    widened to fp16 tiles in shared memory): partial last blocks, a block of exactly 64, a
+    padding and a one-token request, a -1 page among request 0's whole blocks, split boundaries,
+    (rows16 at 16 heads, s_q 2) two row blocks a request, two slots where three fit."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forms are sm_90 only")
-    args = decode_args("bf16", DS_LENS, s_q, DS_PAGE, heads=heads, latent=DS_L, rope=DS_R, q_dtype=torch.bfloat16)
+    args = decode_args(kind, DS_LENS, s_q, DS_PAGE, heads=heads, latent=DS_L, rope=DS_R, q_dtype=torch.bfloat16)
     args[3][0, 3] = -1
     out, lse = check(args, device, config=config, **BF16_TOL)
     assert_padding(out, lse, DS_LENS, s_q)
+
+
+@pytest.mark.parametrize("layout,rows,stages,fits", [("bf16", 16, 2, True), ("bf16", 16, 3, False),
+                                                     ("fp8", 32, 3, True), ("fp8_ds", 16, 3, True),
+                                                     ("fp8_ds", 32, 3, False), ("fp8_ds", 32, 1, False)])
+def test_stream_slots_checked(layout, rows, stages, fits):
+    """The Gluon keys form's slots against an SM's shared memory (what the sm_90 builds take is
+    checked against the same bound in test_stream_kernel_builds_for_sm90); the default picks the
+    most that fit."""
+    decode_stream = importlib.import_module("mlagraph.ops.triton.decode_stream")
+    if fits:
+        decode_stream.check_stages(rows, 512, 64, layout, stages)
+    else:
+        with pytest.raises(ValueError, match=rf"WS needs num_stages >= 2 .*got {stages} \(\d+ B for {rows} rows"):
+            decode_stream.check_stages(rows, 512, 64, layout, stages)
+    assert decode_stream.pick_stages(rows, 512, 64, layout) == (2 if layout == "bf16" or (layout, rows) == ("fp8_ds", 32)
+                                                                 else 3)
 
 
 KEYS_ROWS = {**GPU_KEYS, "TMA": True, "num_warps": 4}
@@ -492,8 +512,6 @@ def test_wgmma_config_is_checked():
     keys = kernels().default_config(2, 16, 4096, 512, "bf16", torch.bfloat16, 132, keys_tma=True)
     assert keys["FORM"] == "keys" and keys["TMA"]
     kernels()._check_config({**keys, "WS": True}, {"WS": True})  # the keys form's config takes WS
-    with pytest.raises(ValueError, match="WS takes num_stages 2, got 3"):
-        kernels()._check_config({**keys, "WS": True, "num_stages": 3}, {"WS": True, "num_stages": 3})
     with pytest.raises(ValueError, match="WS takes FORM keys, got rows"):
         kernels()._check_config({**keys, "WS": True, "FORM": "rows", "TMA": False}, {"WS": True, "FORM": "rows"})
     with pytest.raises(ValueError, match="WS asked for, but it needs a Hopper GPU"):
@@ -538,15 +556,18 @@ def test_wgmma_kernel_builds_for_sm90():
 
 def test_stream_kernel_builds_for_sm90():
     """The Gluon keys form (decode_stream) built for sm_90 offline at 16 and 32 rows, direct and
-    split: warp-group MMAs only, no spill, its shared memory within its launcher's bound."""
+    split, for each cache layout at the slots its launcher picks: warp-group MMAs only, its
+    shared memory within the launcher's bound."""
     decode_stream = importlib.import_module("mlagraph.ops.triton.decode_stream")
     if not decode_stream.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     code = ("import json; from mlagraph.ops.triton import decode_stream as d\n"
-            "builds = [(d.compile_for_sm90(s_q=s_q, heads=16, splits=splits), 16 * s_q)"
-            " for s_q, splits in ((1, 1), (2, 2))]\n"
+            "cases = [(s_q, splits, layout, d.pick_stages(16 * s_q, 512, 64, layout)) for s_q, splits in ((1, 1), (2, 2))"
+            " for layout in ('bf16', 'fp8', 'fp8_ds')]\n"
+            "builds = [(d.compile_for_sm90(s_q=s_q, heads=16, splits=sp, layout=lay, stages=st),"
+            " d.shared_bytes(16 * s_q, 512, 64, lay, st)) for s_q, sp, lay, st in cases]\n"
             "print(json.dumps([[k.asm['ptx'].count('wgmma.mma_async'), k.asm['ptx'].count('mma.sync'),"
-            " k.metadata.shared, d.shared_bytes(rows, 512, 64)] for k, rows in builds]))")
+            " k.metadata.shared, bound] for k, bound in builds]))")
     limit = importlib.import_module("mlagraph.ops.triton.decode_wgmma").SHARED_LIMIT
     for wgmma, mma_sync, shared, bound in helpers.sm90_build_report(code):
         assert wgmma > 0 and mma_sync == 0
