@@ -131,8 +131,8 @@ def bench_flash(rows, args, g):
                   KEYS_SWEEP.get((s_q, b), KEYS_SWEEP.get(s_q, [])), graphs=True)
         if args.new_forms and h * s_q <= 32:  # the keys form's Gluon twin with its loader warp
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,
-                  [{"FORM": "keys", "TMA": True, "WS": True}, {"FORM": "keys", "TMA": True, "WS": True, "MAX_SPLITS": 2}],
-                  graphs=True)
+                  [{"FORM": "keys", "TMA": True, "WS": True},
+                   {"FORM": "keys", "TMA": True, "WS": True, "MAX_SPLITS": 2}], graphs=True)
         if h * s_q > 16:
             # The Gluon form (the default on Hopper past 16 rows) against the forms it replaced.
             sweep(run, lambda config: triton_decode.mla_decode_with_config(*args_, config=config), check,

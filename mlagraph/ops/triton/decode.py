@@ -410,7 +410,8 @@ def _launch_config(q_nope, kv_cache, layout: str, batch: int, rows: int, max_len
         _check_config(cfg, config)
         decode_stream.check_stages(cfg["BLOCK_H"], latent, rope, layout, cfg["num_stages"])
         return cfg
-    keys_tma = on_gpu and layout == "bf16" and rows <= 32 and not picked and tma_blocks(kv_cache, latent, rope, 64) is None
+    keys_tma = (on_gpu and layout == "bf16" and rows <= 32 and not picked
+                and tma_blocks(kv_cache, latent, rope, 64) is None)
     asked = config.get("FORM") == "wgmma"
     wgmma = asked or (WGMMA_BY_DEFAULT and not picked and rows > 16 and on_gpu)
     if wgmma:

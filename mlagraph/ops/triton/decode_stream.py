@@ -88,19 +88,13 @@ def why_not(q_nope, kv_cache, layout: str, latent: int, rope: int) -> str | None
 
 
 if AVAILABLE:
-    from .decode_wgmma import _cta_barrier, _tma_load, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma, \
-        warpgroup_mma_wait
+    from .decode_wgmma import (_cta_barrier, _tma_load, fence_async_shared, gl, gluon, mbarrier, split_run,
+                               warpgroup_mma, warpgroup_mma_wait, warpgroup_tile_layout)
 
     @gluon.constexpr_function
     def _acc_layout(n):
         """A keys-major product's result [M, n] on 4 warps: each warp 16 of every 64 rows of M."""
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
-
-    @gluon.constexpr_function
-    def _rows_layout(cols):
-        """Registers of a [rows, cols] bf16 tile read by 4 warps, 16 bytes a thread."""
-        tpw = [1, 32] if cols >= 256 else [256 // cols, cols // 8]
-        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=tpw, warps_per_cta=[4, 1], order=[1, 0])
 
     @gluon.jit
     def _stream_kernel(
@@ -119,13 +113,7 @@ if AVAILABLE:
         split = gl.program_id(1)
         b = gl.program_id(2).to(gl.int64)
 
-        # This split's keys [lo, hi), as the other forms cut them.
-        seq_len = gl.load(seq_lens + b * stride_sl)
-        kv_len = gl.minimum(gl.maximum(seq_len, 0), MAX_LEN)
-        per_split = ((kv_len + BN - 1) // BN + MAX_SPLITS - 1) // MAX_SPLITS * BN
-        lo = split * per_split
-        hi = gl.minimum(lo + per_split, kv_len)
-        n_blocks = gl.maximum(hi - lo + BN - 1, 0) // BN
+        seq_len, lo, hi, n_blocks = split_run(seq_lens, b, stride_sl, MAX_LEN, split, MAX_SPLITS)
         bt_row = block_table + b * stride_bt_b
         row0 = row_block * BLOCK_H  # row r: query r // H, head r % H
 
@@ -140,13 +128,7 @@ if AVAILABLE:
         k_rope = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, R], pe_desc.layout)
         p_t = gl.allocate_shared_memory(gl.bfloat16, [BN, BLOCK_H],
                                         gl.NVMMASharedLayout.get_default_for([BN, BLOCK_H], gl.bfloat16))
-        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NS):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(free.index(i), count=1)
-        fence_async_shared()
-        _cta_barrier()
+        ready, free = _slot_barriers(NS)
 
         # An empty split leaves its partial out unwritten (the combine never reads it).
         write_out = (lo < hi) | DIRECT
@@ -162,10 +144,23 @@ if AVAILABLE:
         ], [1], [40])
 
     @gluon.jit
+    def _slot_barriers(NS: gl.constexpr):
+        """(ready, free) [NS] mbarriers, one arrival each: the loader's bytes landed in a slot; its
+        last reader is done with it."""
+        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NS):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(free.index(i), count=1)
+        fence_async_shared()
+        _cta_barrier()
+        return ready, free
+
+    @gluon.jit
     def _q_rows_to_shared(base, stride_s, stride_h, row0, n_rows, H: gl.constexpr, buf, COLS: gl.constexpr):
         """Rows row0.. of q (row r at base + (r // H) stride_s + (r % H) stride_h; past n_rows:
         zeros), their first COLS values -> buf [BLOCK_H, COLS]."""
-        layout: gl.constexpr = _rows_layout(COLS)
+        layout: gl.constexpr = warpgroup_tile_layout(COLS)
         rows = row0 + gl.arange(0, buf.type.shape[0], layout=gl.SliceLayout(1, layout))
         cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
         ptrs = base + (rows // H) * stride_s + (rows % H) * stride_h
@@ -274,8 +269,8 @@ if AVAILABLE:
         cols: gl.constexpr = buf.type.shape[1]
         for r in gl.static_range(4):
             sub = buf.slice(r * 16, 16, dim=0)
-            x = sub.load(_rows_layout(cols))
-            rows = r * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, _rows_layout(cols)))
+            x = sub.load(warpgroup_tile_layout(cols))
+            rows = r * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, warpgroup_tile_layout(cols)))
             sub.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
         fence_async_shared()
         _cta_barrier()
@@ -303,12 +298,7 @@ if AVAILABLE:
         row_block = gl.program_id(0)
         split = gl.program_id(1)
         b = gl.program_id(2).to(gl.int64)
-        seq_len = gl.load(seq_lens + b * stride_sl)
-        kv_len = gl.minimum(gl.maximum(seq_len, 0), MAX_LEN)
-        per_split = ((kv_len + BN - 1) // BN + MAX_SPLITS - 1) // MAX_SPLITS * BN
-        lo = split * per_split
-        hi = gl.minimum(lo + per_split, kv_len)
-        n_blocks = gl.maximum(hi - lo + BN - 1, 0) // BN
+        seq_len, lo, hi, n_blocks = split_run(seq_lens, b, stride_sl, MAX_LEN, split, MAX_SPLITS)
         bt_row = block_table + b * stride_bt_b
         row0 = row_block * BLOCK_H
 
@@ -321,17 +311,13 @@ if AVAILABLE:
         raw_lat = gl.allocate_shared_memory(gl.uint8, [NS, BN, L], lat_desc.layout)
         raw_rope = gl.allocate_shared_memory(pe_desc.dtype, [NS, BN, R], pe_desc.layout)
         raw_sc = gl.allocate_shared_memory(gl.float32, [NS, BN, G], sc_desc.layout)  # fp8_ds only
-        kv16 = gl.allocate_shared_memory(gl.float16, [BN, L], gl.NVMMASharedLayout.get_default_for([BN, L], gl.float16))
-        rope16 = gl.allocate_shared_memory(gl.float16, [BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
+        kv16 = gl.allocate_shared_memory(gl.float16, [BN, L],
+                                         gl.NVMMASharedLayout.get_default_for([BN, L], gl.float16))
+        rope16 = gl.allocate_shared_memory(gl.float16, [BN, R],
+                                           gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
         p_t = gl.allocate_shared_memory(gl.float16, [BN, BLOCK_H],
                                         gl.NVMMASharedLayout.get_default_for([BN, BLOCK_H], gl.float16))
-        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NS):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(free.index(i), count=1)
-        fence_async_shared()
-        _cta_barrier()
+        ready, free = _slot_barriers(NS)
 
         write_out = (lo < hi) | DIRECT
         gl.warp_specialize([

@@ -67,6 +67,13 @@ try:
         tpw = [1, 32] if cols >= 256 else [256 // cols, cols // 8]
         return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=tpw, warps_per_cta=[NUM_WARPS, 1],
                                 order=[1, 0])
+
+    @gluon.constexpr_function
+    def warpgroup_tile_layout(cols):
+        """Registers of a [rows, cols] 16-bit tile on one warp group (the warp-specialized forms'
+        partitions): 16 bytes a thread, a warp across a row of up to 256 columns."""
+        tpw = [1, 32] if cols >= 256 else [256 // cols, cols // 8]
+        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=tpw, warps_per_cta=[4, 1], order=[1, 0])
     AVAILABLE = True
 except (ImportError, AttributeError):  # an older Triton: the launcher never picks this form
     AVAILABLE = False
@@ -143,13 +150,7 @@ if AVAILABLE:
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
         P_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-        # This split's keys [lo, hi): the request's BN blocks cut into MAX_SPLITS equal runs.
-        seq_len = gl.load(seq_lens + b * stride_sl)
-        kv_len = gl.minimum(gl.maximum(seq_len, 0), MAX_LEN)
-        per_split = ((kv_len + BN - 1) // BN + MAX_SPLITS - 1) // MAX_SPLITS * BN
-        lo = split * per_split
-        hi = gl.minimum(lo + per_split, kv_len)
-        n_blocks = gl.maximum(hi - lo + BN - 1, 0) // BN
+        seq_len, lo, hi, n_blocks = split_run(seq_lens, b, stride_sl, MAX_LEN, split, MAX_SPLITS)
         n_full = gl.maximum(hi - lo, 0) // BN
         bt_row = block_table + b * stride_bt_b
 
@@ -241,6 +242,19 @@ if AVAILABLE:
         else:  # an empty split leaves its partial out unwritten: the combine never reads it
             gl.store(o_ptrs, o, mask=(row_ok & (lo < hi))[:, None])
         gl.store(lse + b * stride_lse_b + split * stride_lse_split + rows_s, row_lse, mask=rows_s < S_Q * H)
+
+    @gluon.jit
+    def split_run(seq_lens, b, stride_sl, MAX_LEN, split, MAX_SPLITS: gl.constexpr):
+        """(request b's length, this split's keys [lo, hi), its 64-key blocks): the request's
+        blocks cut into MAX_SPLITS equal runs (lo >= hi: an empty split). Every Gluon decode form
+        cuts them so (the combine reads what they write)."""
+        BN: gl.constexpr = 64
+        seq_len = gl.load(seq_lens + b * stride_sl)
+        kv_len = gl.minimum(gl.maximum(seq_len, 0), MAX_LEN)
+        per_split = ((kv_len + BN - 1) // BN + MAX_SPLITS - 1) // MAX_SPLITS * BN
+        lo = split * per_split
+        hi = gl.minimum(lo + per_split, kv_len)
+        return seq_len, lo, hi, gl.maximum(hi - lo + BN - 1, 0) // BN
 
     @gluon.jit
     def _softmax_start(L: gl.constexpr):

@@ -68,8 +68,8 @@ def shared_bytes(latent: int, rope: int) -> int:
 if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from .decode_wgmma import (_cta_barrier, _tma_load, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma,
-                               warpgroup_mma_wait)
+    from .decode_wgmma import (_cta_barrier, _tma_load, fence_async_shared, gl, gluon, mbarrier, split_run,
+                               warpgroup_mma, warpgroup_mma_wait, warpgroup_tile_layout)
     from .sparse_wgmma import _cp_async
 
     @gluon.constexpr_function
@@ -81,13 +81,6 @@ if AVAILABLE:
     def _o_layout(cols):
         """A warp group's half of the output [64 rows, cols = L / 2]."""
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
-
-    @gluon.constexpr_function
-    def _tile_layout(cols):
-        """Registers of a [rows, cols] bf16 tile read by 4 warps: 16 bytes a thread, a warp across a
-        row of up to 256 columns."""
-        tpw = [1, 32] if cols >= 256 else [256 // cols, cols // 8]
-        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=tpw, warps_per_cta=[4, 1], order=[1, 0])
 
     @gluon.jit
     def _dense_kernel(
@@ -107,13 +100,7 @@ if AVAILABLE:
         split = gl.program_id(1)
         b = gl.program_id(2).to(gl.int64)
 
-        # This split's keys [lo, hi), as decode_wgmma cuts them.
-        seq_len = gl.load(seq_lens + b * stride_sl)
-        kv_len = gl.minimum(gl.maximum(seq_len, 0), MAX_LEN)
-        per_split = ((kv_len + BN - 1) // BN + MAX_SPLITS - 1) // MAX_SPLITS * BN
-        lo = split * per_split
-        hi = gl.minimum(lo + per_split, kv_len)
-        n_blocks = gl.maximum(hi - lo + BN - 1, 0) // BN
+        seq_len, lo, hi, n_blocks = split_run(seq_lens, b, stride_sl, MAX_LEN, split, MAX_SPLITS)
         bt_row = block_table + b * stride_bt_b
         row0 = row_block * BH  # row r: query r // H, head r % H
 
@@ -187,8 +174,8 @@ if AVAILABLE:
         """q's latent part of rows row0..row0+63 (row r at q_base + (r // H) stride_s + (r % H)
         stride_h; rows >= n_rows: zeros) -> shared memory as two [64, L/2] halves."""
         LH: gl.constexpr = L // 2
-        rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, _tile_layout(LH)))
-        cols = gl.arange(0, LH, layout=gl.SliceLayout(0, _tile_layout(LH)))
+        rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, warpgroup_tile_layout(LH)))
+        cols = gl.arange(0, LH, layout=gl.SliceLayout(0, warpgroup_tile_layout(LH)))
         q_rows = q_base + (rows // H) * stride_s + (rows % H) * stride_h
         q_half = gl.allocate_shared_memory(gl.bfloat16, [2, 64, LH], layout)
         for h in gl.static_range(2):
@@ -293,7 +280,7 @@ if AVAILABLE:
         """Columns COL0..COL0+COLS of the rows of selected keys start..start+63 -> buf [64, COLS],
         16 rows a step (4 copies a lane), once the buffer is free; the lanes' arrivals on
         ``ready_bar`` follow their copies."""
-        layout: gl.constexpr = _tile_layout(COLS)
+        layout: gl.constexpr = warpgroup_tile_layout(COLS)
         RB: gl.constexpr = 16
         if pred:
             mbarrier.wait(free_bar, phase ^ 1)
@@ -376,8 +363,8 @@ if AVAILABLE:
         cols: gl.constexpr = buf.type.shape[1]
         for r in gl.static_range(4):
             sub = buf.slice(r * 16, 16, dim=0)
-            x = sub.load(_tile_layout(cols))
-            rows = r * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, _tile_layout(cols)))
+            x = sub.load(warpgroup_tile_layout(cols))
+            rows = r * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, warpgroup_tile_layout(cols)))
             sub.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
         fence_async_shared()
         _cta_barrier()
@@ -399,21 +386,27 @@ if AVAILABLE:
         return xchg.slice(i * 64, 64).load(layout)
 
     @gluon.jit
+    def _group_start(qp_base, qp_s, qp_h, row0, n_rows, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr):
+        """A compute warp group's state before any key: (q's rope operand, m = -inf, l = 0, its
+        half of the output = 0)."""
+        ROW_S: gl.constexpr = gl.SliceLayout(1, _s_layout())
+        q_rope = _q_rope_operand(qp_base, qp_s, qp_h, row0, n_rows, H, R)
+        m = gl.full([64], float("-inf"), gl.float32, layout=ROW_S)
+        return q_rope, m, gl.zeros([64], gl.float32, layout=ROW_S), gl.zeros([64, L // 2], gl.float32,
+                                                                               layout=_o_layout(L // 2))
+
+    @gluon.jit
     def _group0(qp_base, qp_s, qp_h, row0, n_rows, keys_ptr, bt_row, stride_bt_p, lo, hi, limit_base, n_blocks,
                 qk_scale, out_base, out_row_stride, lse_base, write_out,
                 q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent,
                 H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, SPARSE: gl.constexpr):
         """Warp group 0: the even blocks' scores and softmax; output columns 0..L/2, and lse."""
         BN: gl.constexpr = 64
-        LH: gl.constexpr = L // 2
         ROW_S: gl.constexpr = gl.SliceLayout(1, _s_layout())
-        O_L: gl.constexpr = _o_layout(LH)
+        O_L: gl.constexpr = _o_layout(L // 2)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
         P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-        q_rope = _q_rope_operand(qp_base, qp_s, qp_h, row0, n_rows, H, R)
-        m = gl.full([64], float("-inf"), gl.float32, layout=ROW_S)
-        l_i = gl.zeros([64], gl.float32, layout=ROW_S)
-        o = gl.zeros([64, LH], gl.float32, layout=O_L)
+        q_rope, m, l_i, o = _group_start(qp_base, qp_s, qp_h, row0, n_rows, H, L, R)
         for pair in range(0, (n_blocks + 1) // 2):
             phase = pair & 1
             start0 = lo + 2 * pair * BN
@@ -469,15 +462,11 @@ if AVAILABLE:
                 H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, SPARSE: gl.constexpr):
         """Warp group 1: the odd blocks' scores and softmax; output columns L/2..L."""
         BN: gl.constexpr = 64
-        LH: gl.constexpr = L // 2
         ROW_S: gl.constexpr = gl.SliceLayout(1, _s_layout())
-        O_L: gl.constexpr = _o_layout(LH)
+        O_L: gl.constexpr = _o_layout(L // 2)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
         P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-        q_rope = _q_rope_operand(qp_base, qp_s, qp_h, row0, n_rows, H, R)
-        m = gl.full([64], float("-inf"), gl.float32, layout=ROW_S)
-        l_i = gl.zeros([64], gl.float32, layout=ROW_S)
-        o = gl.zeros([64, LH], gl.float32, layout=O_L)
+        q_rope, m, l_i, o = _group_start(qp_base, qp_s, qp_h, row0, n_rows, H, L, R)
         for pair in range(0, (n_blocks + 1) // 2):
             phase = pair & 1
             start0 = lo + 2 * pair * BN

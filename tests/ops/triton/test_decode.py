@@ -327,8 +327,8 @@ def test_stream_slots_checked(layout, rows, stages, fits):
     else:
         with pytest.raises(ValueError, match=rf"WS needs num_stages >= 2 .*got {stages} \(\d+ B for {rows} rows"):
             decode_stream.check_stages(rows, 512, 64, layout, stages)
-    assert decode_stream.pick_stages(rows, 512, 64, layout) == (2 if layout == "bf16" or (layout, rows) == ("fp8_ds", 32)
-                                                                 else 3)
+    two_slots = layout == "bf16" or (layout, rows) == ("fp8_ds", 32)
+    assert decode_stream.pick_stages(rows, 512, 64, layout) == (2 if two_slots else 3)
 
 
 KEYS_ROWS = {**GPU_KEYS, "TMA": True, "num_warps": 4}
@@ -562,8 +562,8 @@ def test_stream_kernel_builds_for_sm90():
     if not decode_stream.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     code = ("import json; from mlagraph.ops.triton import decode_stream as d\n"
-            "cases = [(s_q, splits, layout, d.pick_stages(16 * s_q, 512, 64, layout)) for s_q, splits in ((1, 1), (2, 2))"
-            " for layout in ('bf16', 'fp8', 'fp8_ds')]\n"
+            "cases = [(s_q, splits, layout, d.pick_stages(16 * s_q, 512, 64, layout))"
+            " for s_q, splits in ((1, 1), (2, 2)) for layout in ('bf16', 'fp8', 'fp8_ds')]\n"
             "builds = [(d.compile_for_sm90(s_q=s_q, heads=16, splits=sp, layout=lay, stages=st),"
             " d.shared_bytes(16 * s_q, 512, 64, lay, st)) for s_q, sp, lay, st in cases]\n"
             "print(json.dumps([[k.asm['ptx'].count('wgmma.mma_async'), k.asm['ptx'].count('mma.sync'),"
