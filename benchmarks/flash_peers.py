@@ -212,6 +212,9 @@ def bench_flash(rows, args, g):
             sweep(run, lambda config: triton_sparse.sparse_mla(*args_, config=config), check,
                   [{"FORM": "rows"}, {"FORM": "wgmma", "num_stages": 1}]
                   + ([{"FORM": "wgmma", "SEESAW": True}] if args.new_forms else []), graphs=graphed)
+        elif args.new_forms:  # fp8_ds: the Gluon kernel that widens the rows into a bf16 tile
+            sweep(run, lambda config: triton_sparse.sparse_mla(*args_, config=config), check, [{"FORM": "wgmma"}],
+                  graphs=graphed)
         run.run("flashmla backend", ours, check, graph_fns=[ours] if graphed else None)
 
         def raw_sparse():

@@ -1001,8 +1001,8 @@ def main() -> None:
     p.add_argument("--new-forms", action="store_true",
                    help="flash and decode: also time the Gluon forms not yet run on a GPU (seesaw.py: dense decode "
                         "past 16 rows and bf16 sparse; decode_stream.py: the keys form's twin up to 32 rows, every "
-                        "cache layout). Opt-in: a schedule that deadlocked would stall the run here, so run their "
-                        "GPU tests first")
+                        "cache layout; sparse_wgmma's fp8_ds kernel). Opt-in: a schedule that deadlocked would "
+                        "stall the run here, so run their GPU tests first")
     p.add_argument("--moe-cases", default="", help="moe only: comma list of V2-Lite-bf16, V3-bf16, V3-fp8 (default all)")
     p.add_argument("--moe-tokens", default="", help="moe only: comma list of token counts (default all)")
     p.add_argument("--sweep-pairs", action="store_true", help="moe only: also sweep the pair kernels' tiles")

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..layouts import DS_GROUP
 from ._fp8 import from_fp8_bits
-from . import decode_wgmma, seesaw, sparse_wgmma
+from . import decode_stream, decode_wgmma, seesaw, sparse_wgmma
 from ._hardware import interpreted
 from ._launch import check_runnable
 from ._tl import dot as _dot
@@ -169,12 +169,21 @@ def sparse_config(q_nope: torch.Tensor) -> dict:
 
 def wgmma_blocks(q_nope: torch.Tensor, kv_cache: torch.Tensor, layout: str) -> str | None:
     """Why the Gluon form (:mod:`.sparse_wgmma`) cannot run this call (None: it can): what the
-    Gluon kernels need, and 16-byte aligned cache rows (its copies move 16 bytes)."""
+    Gluon kernels need (a bf16 cache, or fp8_ds through its own kernel), and 16-byte aligned
+    cache rows (its copies move 16 bytes)."""
     latent = q_nope.shape[-1]
-    why = decode_wgmma.why_not(q_nope, kv_cache, layout, latent, kv_cache.shape[-1] - latent)
+    if layout == "fp8_ds":  # rows of L e4m3 | L/128 float32 | R bf16: the widening kernel
+        why = decode_stream.why_not(q_nope, kv_cache, layout, latent, q_pe_width(kv_cache, latent))
+    else:
+        why = decode_wgmma.why_not(q_nope, kv_cache, layout, latent, kv_cache.shape[-1] - latent)
     if why is None and (kv_cache.data_ptr() % 16 or kv_cache.stride(1) % 8 or kv_cache.stride(0) % 8):
         why = "cache rows are not 16-byte aligned (its copies move 16 bytes)"
     return why
+
+
+def q_pe_width(kv_cache: torch.Tensor, latent: int) -> int:
+    """An fp8_ds cache row's rope width: L e4m3 bytes, L/128 float32 scales, then bf16 values."""
+    return (kv_cache.shape[-1] - latent - 4 * (latent // 128)) // 2
 
 
 def sparse_mla(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale, layout, softmax_scale,
@@ -196,7 +205,7 @@ def sparse_mla(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale
     )
     if kv_cache.dtype == torch.float8_e4m3fn:
         kv_cache = kv_cache.view(torch.uint8)
-    if not config and num_heads > 16 and wgmma_blocks(q_nope, kv_cache, layout) is None:
+    if not config and num_heads > 16 and layout == "bf16" and wgmma_blocks(q_nope, kv_cache, layout) is None:
         # The Gluon form where it runs, past 16 heads (H200, 2026-12-07, T=4096 ctx=32K top-2048
         # H=128: 10.6 ms against this kernel's 15.9; at 16 heads it would pad 48 rows, untimed).
         config = {"FORM": "wgmma"}
@@ -226,6 +235,9 @@ def sparse_mla(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, scale
 
 def _sparse_wgmma(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, layout, softmax_scale, config, out, lse):
     """The Gluon form's launch (:mod:`.sparse_wgmma`): refused, with the reason, where it cannot run."""
+    if layout == "fp8_ds" and set(config) - {"FORM"}:  # the widening kernel's pipeline is its own
+        raise ValueError(f"sparse_mla config: FORM 'wgmma' with an fp8_ds cache takes no other keys, got "
+                         f"{sorted(set(config) - {'FORM'})}")
     unknown = set(config) - {"FORM", "num_stages", "SEESAW"}
     if unknown:
         raise ValueError(f"sparse_mla config: FORM 'wgmma' takes only num_stages and SEESAW, got {sorted(unknown)}")
@@ -245,7 +257,9 @@ def _sparse_wgmma(q_nope, q_pe, kv_cache, topk_indices, req_ids, block_table, la
             softmax_scale * LOG2E,
             q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
             topk_indices.stride(0), block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0))
-    if config.get("SEESAW"):  # the warp groups on alternate key blocks (seesaw.py), opt-in
+    if layout == "fp8_ds":  # the widening kernel, opt-in
+        sparse_wgmma._sparse_ds_kernel[grid](*args, L=latent, R=rope, PAGE=page_size, num_warps=sparse_wgmma.NUM_WARPS)
+    elif config.get("SEESAW"):  # the warp groups on alternate key blocks (seesaw.py), opt-in
         seesaw._sparse_kernel[grid](*args, L=latent, R=rope, PAGE=page_size, num_warps=seesaw.NUM_WARPS,
                                     maxnreg=seesaw.MAX_REGS)
     else:

@@ -132,6 +132,139 @@ if AVAILABLE:
         cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
         _cp_async(buf, rows[:, None] + cols[None, :], mask=(in_table & (page >= 0))[:, None])
 
+    @gluon.jit
+    def _sparse_ds_kernel(
+        qn_ptr, qp_ptr, cache_ptr, topk_ptr, req_ptr, bt_ptr, out_ptr, lse_ptr,
+        num_heads, num_reqs, topk, max_len, qk_scale,  # qk_scale: softmax_scale * log2(e)
+        stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_cp, stride_cs, stride_kt, stride_bt,
+        stride_ot, stride_oh, stride_lt,
+        L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr,
+    ):
+        """The same for fp8_ds caches (L e4m3 | L/128 float32 scales | R bf16 a row; the cache's
+        strides in bytes). Block j + 1's raw bytes are gathered (cp.async, zeros where masked)
+        while block j is attended; at its turn every warp widens them into the one bf16 tile the
+        block step reads (e4m3 x the row's group scale, rounded once to bf16), and the rope, bf16
+        already, is copied straight into one of two tiles. Shared memory at L=512: q 72 KB + the
+        bf16 tile 64 KB + 2 x 8 KB rope + 33 KB raw + 8 KB P = 193 KB."""
+        BH: gl.constexpr = 64
+        BN: gl.constexpr = 64
+        G: gl.constexpr = L // 128
+        S_L: gl.constexpr = score_layout()
+        O_L: gl.constexpr = acc_layout(L)
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+
+        head_blocks = (num_heads + BH - 1) // BH
+        pid = gl.program_id(0)
+        tok = (pid // head_blocks).to(gl.int64)
+        head0 = (pid % head_blocks) * BH
+        heads_l = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, gather_layout(L)))
+        heads_r = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, gather_layout(R)))
+        q_lat = gl.allocate_shared_memory(gl.bfloat16, [BH, L], shared_layout(L))
+        q_rope = gl.allocate_shared_memory(gl.bfloat16, [BH, R], shared_layout(R))
+        _rows_to_shared(qn_ptr + tok * stride_qnt + heads_l * stride_qnh, heads_l < num_heads, q_lat, L)
+        _rows_to_shared(qp_ptr + tok * stride_qpt + heads_r * stride_qph, heads_r < num_heads, q_rope, R)
+        k_lat = gl.allocate_shared_memory(gl.bfloat16, [BN, L], shared_layout(L))
+        k_rope = gl.allocate_shared_memory(gl.bfloat16, [2, BN, R], shared_layout(R))
+        raw_lat = gl.allocate_shared_memory(gl.uint8, [BN, L], gl.NVMMASharedLayout.get_default_for([BN, L], gl.uint8))
+        raw_sc = gl.allocate_shared_memory(gl.float32, [BN, G], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], shared_layout(BN))
+
+        req = gl.load(req_ptr + tok)
+        req = gl.where(req < 0, req + num_reqs, req)  # as the reference's torch indexing reads it
+        bt_row = bt_ptr + req.to(gl.int64) * stride_bt
+        topk_row = topk_ptr + tok * stride_kt
+        n_blocks = (topk + BN - 1) // BN
+
+        if n_blocks > 0:
+            _gather_ds_async(cache_ptr, topk_row, bt_row, 0, topk, max_len, stride_cp, stride_cs, raw_lat, raw_sc,
+                             k_rope.index(0), L, R, PAGE)
+        async_copy.commit_group()
+        keys_s = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+        m_i, l_i, acc, s_zero = _softmax_start(L)
+        for j in range(0, n_blocks):
+            async_copy.wait_group(0)  # this thread's copies of block j have landed
+            _cta_barrier()  # every thread's; and the block before is done with the bf16 tile
+            _widen_ds(raw_lat, raw_sc, k_lat)
+            fence_async_shared()  # the widened tile and the copied rope, for the tensor cores
+            _cta_barrier()  # the whole tile, and every warp done reading the raw bytes
+            if j + 1 < n_blocks:
+                _gather_ds_async(cache_ptr, topk_row, bt_row, (j + 1) * BN, topk, max_len, stride_cp, stride_cs,
+                                 raw_lat, raw_sc, k_rope.index((j + 1) % 2), L, R, PAGE)
+            async_copy.commit_group()
+
+            offs = j * BN + keys_s
+            pos = gl.load(topk_row + offs, mask=offs < topk, other=-1)
+            in_table = (pos >= 0) & (pos < max_len)
+            page = gl.load(bt_row + pos // PAGE, mask=in_table, other=-1)
+            visible = (in_table & (page >= 0))[None, :]
+            m_i, l_i, acc = _attend_block(q_lat, q_rope, k_lat, k_rope.index(j % 2), p_smem, s_zero, visible,
+                                          qk_scale, m_i, l_i, acc, ROW_O)
+        async_copy.wait_group(0)
+
+        o, lse = _softmax_end(m_i, l_i, acc)
+        heads_o = head0 + gl.arange(0, BH, layout=ROW_O)
+        cols_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
+        o_ptrs = out_ptr + tok * stride_ot + heads_o[:, None] * stride_oh + cols_o[None, :]
+        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=(heads_o < num_heads)[:, None])
+        heads_s = head0 + gl.arange(0, BH, layout=ROW_S)
+        gl.store(lse_ptr + tok * stride_lt + heads_s, lse, mask=heads_s < num_heads)
+
+    @gluon.constexpr_function
+    def _bytes_layout(rows, cols, vec):
+        """Registers of a [rows, cols] tile on the 8 warps, ``vec`` elements (16 bytes or fewer)
+        a thread along the row (rows past what the threads cover repeat)."""
+        across = min(32, cols // vec)
+        return gl.BlockedLayout(size_per_thread=[1, vec], threads_per_warp=[32 // across, across],
+                                warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
+
+    @gluon.jit
+    def _gather_ds_async(cache_ptr, topk_row, bt_row, start, topk, max_len, stride_cp, stride_cs, raw_lat, raw_sc,
+                         rope_buf, L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr):
+        """The fp8_ds rows of selected keys start..start+63, asynchronously, 32 keys at a time:
+        their e4m3 latent -> raw_lat [64, L] bytes, group scales -> raw_sc [64, L/128] float32,
+        bf16 rope -> rope_buf [64, R]. A key with no row is a masked copy: zeros."""
+        G: gl.constexpr = L // 128
+        GN: gl.constexpr = 32
+        for c in gl.static_range(64 // GN):
+            s0 = start + c * GN
+            _copy_ds_part(cache_ptr, topk_row, bt_row, s0, topk, max_len, stride_cp, stride_cs,
+                          raw_lat.slice(c * GN, GN, dim=0), 0, gl.uint8, 16, PAGE)
+            _copy_ds_part(cache_ptr, topk_row, bt_row, s0, topk, max_len, stride_cp, stride_cs,
+                          raw_sc.slice(c * GN, GN, dim=0), L, gl.float32, G, PAGE)
+            _copy_ds_part(cache_ptr, topk_row, bt_row, s0, topk, max_len, stride_cp, stride_cs,
+                          rope_buf.slice(c * GN, GN, dim=0), L + 4 * G, gl.bfloat16, 8, PAGE)
+
+    @gluon.jit
+    def _copy_ds_part(cache_ptr, topk_row, bt_row, start, topk, max_len, stride_cp, stride_cs, buf,
+                      BYTE0: gl.constexpr, DTYPE: gl.constexpr, VEC: gl.constexpr, PAGE: gl.constexpr):
+        """One part of 32 selected keys' fp8_ds rows (from byte BYTE0, buf's width of DTYPE values)
+        -> buf [32, cols] with cp.async, VEC values a thread."""
+        GN: gl.constexpr = buf.shape[0]
+        COLS: gl.constexpr = buf.shape[1]
+        layout: gl.constexpr = _bytes_layout(GN, COLS, VEC)
+        offs = start + gl.arange(0, GN, layout=gl.SliceLayout(1, layout))
+        pos = gl.load(topk_row + offs, mask=offs < topk, other=-1)
+        in_table = (pos >= 0) & (pos < max_len)
+        page = gl.load(bt_row + pos // PAGE, mask=in_table, other=-1)
+        rows = (cache_ptr + page.to(gl.int64) * stride_cp + (pos % PAGE) * stride_cs + BYTE0).to(
+            gl.pointer_type(DTYPE))
+        cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        _cp_async(buf, rows[:, None] + cols[None, :], mask=(in_table & (page >= 0))[:, None])
+
+    @gluon.jit
+    def _widen_ds(raw_lat, raw_sc, k_lat):
+        """raw_lat [64, L] e4m3 bytes x raw_sc [64, L/128] group scales -> k_lat [64, L] bf16, in
+        [16, 128] pieces (8 bytes a thread)."""
+        layout: gl.constexpr = _bytes_layout(16, 128, 8)
+        G: gl.constexpr = raw_lat.shape[1] // 128
+        for r in gl.static_range(4):
+            for c in gl.static_range(G):
+                x = raw_lat.slice(r * 16, 16, dim=0).slice(c * 128, 128, dim=1).load(layout)
+                s = raw_sc.slice(r * 16, 16, dim=0).slice(c, 1, dim=1).load(layout)  # [16, 1]
+                y = x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s
+                k_lat.slice(r * 16, 16, dim=0).slice(c * 128, 128, dim=1).store(y.to(gl.bfloat16))
+
 
 def compile_for_sm90(stages: int = 2, latent: int = 512, rope: int = 64, page: int = 64):
     """The kernel built for sm_90 without a GPU (see :func:`.decode_wgmma.compile_for_sm90`)."""
@@ -143,6 +276,24 @@ def compile_for_sm90(stages: int = 2, latent: int = 512, rope: int = 64, page: i
     types = {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "cache_ptr": "*bf16", "topk_ptr": "*i32", "req_ptr": "*i32",
              "bt_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     consts = dict(L=latent, R=rope, PAGE=page, STAGES=stages)
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    div16 = [n for n, t in signature.items() if t.startswith("*")] + [
+        "stride_qnt", "stride_qnh", "stride_qpt", "stride_qph", "stride_cp", "stride_cs", "stride_ot", "stride_oh"]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    return triton.compile(GluonASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": NUM_WARPS})
+
+
+def compile_ds_for_sm90(latent: int = 512, rope: int = 64, page: int = 64):
+    """The fp8_ds kernel built for sm_90 without a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = _sparse_ds_kernel
+    types = {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "cache_ptr": "*u8", "topk_ptr": "*i32", "req_ptr": "*i32",
+             "bt_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    consts = dict(L=latent, R=rope, PAGE=page)
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     div16 = [n for n, t in signature.items() if t.startswith("*")] + [
         "stride_qnt", "stride_qnh", "stride_qpt", "stride_qph", "stride_cp", "stride_cs", "stride_ot", "stride_oh"]

@@ -242,6 +242,18 @@ def test_deepseek_shapes_wgmma(device, heads, k, config):
     assert_empty(out, lse, tokens=(len(DS_LENS) - 1,))
 
 
+@pytest.mark.parametrize("k", [37, 150, 2048])
+@pytest.mark.parametrize("heads", [16, 128])
+@GPU_ONLY
+def test_deepseek_shapes_wgmma_fp8_ds(device, heads, k):
+    """The Gluon kernel that widens fp8_ds rows into a bf16 tile (sparse_wgmma._sparse_ds_kernel),
+    opt-in: -1 indices, a token that selects nothing, partial last blocks, padded heads."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon form is sm_90 only")
+    out, lse = check(ds_args("fp8_ds", heads, k), device, config={"FORM": "wgmma"}, tol=3e-2, ref_device=device)
+    assert_empty(out, lse, tokens=(len(DS_LENS) - 1,))
+
+
 def test_wgmma_form_is_checked():
     """Asked for where it cannot run (here: on CPU), the Gluon form says why; other keys with it
     are refused."""
@@ -254,6 +266,11 @@ def test_wgmma_form_is_checked():
         kernels().sparse_mla(*args, config={"FORM": "wgmma", "SEESAW": True, "num_stages": 1})
     with pytest.raises(ValueError, match=r"takes only num_stages and SEESAW, got \['BLOCK_N'\]"):
         kernels().sparse_mla(*args, config={"FORM": "wgmma", "BLOCK_N": 32})
+    ds = sparse_args("fp8_ds", q_dtype=torch.bfloat16, latent=128)
+    with pytest.raises(ValueError, match=r"with an fp8_ds cache takes no other keys, got \['num_stages'\]"):
+        kernels().sparse_mla(*ds, config={"FORM": "wgmma", "num_stages": 2})
+    with pytest.raises(ValueError, match="FORM 'wgmma' asked for, but it needs a Hopper GPU"):
+        kernels().sparse_mla(*ds, config={"FORM": "wgmma"})
 
 
 def test_wgmma_kernel_builds_for_sm90():
@@ -270,6 +287,22 @@ def test_wgmma_kernel_builds_for_sm90():
     wgmma, cp_async, mma_sync, shared, budget = helpers.sm90_build_report(code)
     assert wgmma > 0 and cp_async > 0 and mma_sync == 0
     assert 0 < shared <= budget
+
+
+def test_fp8_ds_kernel_builds_for_sm90():
+    """The fp8_ds widening kernel built for sm_90 offline: cp.async gathers, warp-group MMAs, no
+    spill, shared memory within an SM's."""
+    sparse_wgmma = importlib.import_module("mlagraph.ops.triton.sparse_wgmma")
+    if not sparse_wgmma.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    code = ("import json; from mlagraph.ops.triton import sparse_wgmma as s, decode_wgmma as d\n"
+            "k = s.compile_ds_for_sm90()\n"
+            "ptx = k.asm['ptx']\n"
+            "print(json.dumps([ptx.count('wgmma.mma_async'), ptx.count('cp.async'), ptx.count('mma.sync'),"
+            " k.metadata.shared, d.SHARED_LIMIT]))")
+    wgmma, cp_async, mma_sync, shared, limit = helpers.sm90_build_report(code)
+    assert wgmma > 0 and cp_async > 0 and mma_sync == 0
+    assert 0 < shared <= limit
 
 
 def test_seesaw_kernel_builds_for_sm90():
