@@ -44,29 +44,15 @@ if AVAILABLE:
         BN: gl.constexpr = 64
         S_L: gl.constexpr = score_layout()
         O_L: gl.constexpr = acc_layout(L)
-        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
 
-        head_blocks = (num_heads + BH - 1) // BH
-        pid = gl.program_id(0)
-        tok = (pid // head_blocks).to(gl.int64)
-        head0 = (pid % head_blocks) * BH
-
-        heads_l = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, gather_layout(L)))
-        heads_r = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, gather_layout(R)))
-        q_lat = gl.allocate_shared_memory(gl.bfloat16, [BH, L], shared_layout(L))
-        q_rope = gl.allocate_shared_memory(gl.bfloat16, [BH, R], shared_layout(R))
-        _rows_to_shared(qn_ptr + tok * stride_qnt + heads_l * stride_qnh, heads_l < num_heads, q_lat, L)
-        _rows_to_shared(qp_ptr + tok * stride_qpt + heads_r * stride_qph, heads_r < num_heads, q_rope, R)
+        tok, head0, q_lat, q_rope = _token_queries(qn_ptr, qp_ptr, num_heads, stride_qnt, stride_qnh, stride_qpt,
+                                                   stride_qph, L, R)
         k_lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, L], shared_layout(L))
         k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, R], shared_layout(R))
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], shared_layout(BN))
 
-        req = gl.load(req_ptr + tok)
-        req = gl.where(req < 0, req + num_reqs, req)  # as the reference's torch indexing reads it
-        bt_row = bt_ptr + req.to(gl.int64) * stride_bt
-        topk_row = topk_ptr + tok * stride_kt
-        n_blocks = (topk + BN - 1) // BN
+        bt_row, topk_row, n_blocks = _token_keys(req_ptr, bt_ptr, topk_ptr, tok, num_reqs, topk, stride_bt, stride_kt)
 
         # STAGES - 1 blocks in flight before the loop, one commit group each (empty past the end).
         for i in gl.static_range(STAGES - 1):
@@ -98,12 +84,45 @@ if AVAILABLE:
                                           visible, qk_scale, m_i, l_i, acc, ROW_O)
         async_copy.wait_group(0)
 
+        _store_token(m_i, l_i, acc, out_ptr, lse_ptr, tok, head0, num_heads, stride_ot, stride_oh, stride_lt, L)
+
+    @gluon.jit
+    def _token_queries(qn_ptr, qp_ptr, num_heads, stride_qnt, stride_qnh, stride_qpt, stride_qph, L: gl.constexpr,
+                       R: gl.constexpr):
+        """This program's token and first head (the head block fastest in the grid), and its 64
+        heads' q in shared memory: (tok, head0, q_lat [64, L], q_rope [64, R]); heads past the
+        last are zeros."""
+        BH: gl.constexpr = 64
+        head_blocks = (num_heads + BH - 1) // BH
+        pid = gl.program_id(0)
+        tok = (pid // head_blocks).to(gl.int64)
+        head0 = (pid % head_blocks) * BH
+        heads_l = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, gather_layout(L)))
+        heads_r = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, gather_layout(R)))
+        q_lat = gl.allocate_shared_memory(gl.bfloat16, [BH, L], shared_layout(L))
+        q_rope = gl.allocate_shared_memory(gl.bfloat16, [BH, R], shared_layout(R))
+        _rows_to_shared(qn_ptr + tok * stride_qnt + heads_l * stride_qnh, heads_l < num_heads, q_lat, L)
+        _rows_to_shared(qp_ptr + tok * stride_qpt + heads_r * stride_qph, heads_r < num_heads, q_rope, R)
+        return tok, head0, q_lat, q_rope
+
+    @gluon.jit
+    def _token_keys(req_ptr, bt_ptr, topk_ptr, tok, num_reqs, topk, stride_bt, stride_kt):
+        """(the token's request's block-table row, its selected keys' row, their 64-key blocks)."""
+        req = gl.load(req_ptr + tok)
+        req = gl.where(req < 0, req + num_reqs, req)  # as the reference's torch indexing reads it
+        return bt_ptr + req.to(gl.int64) * stride_bt, topk_ptr + tok * stride_kt, (topk + 63) // 64
+
+    @gluon.jit
+    def _store_token(m_i, l_i, acc, out_ptr, lse_ptr, tok, head0, num_heads, stride_ot, stride_oh, stride_lt,
+                     L: gl.constexpr):
+        """The token's out (o / l) and lse for its 64 heads (heads past the last not written)."""
+        O_L: gl.constexpr = acc_layout(L)
         o, lse = _softmax_end(m_i, l_i, acc)
-        heads_o = head0 + gl.arange(0, BH, layout=ROW_O)
+        heads_o = head0 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
         cols_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
         o_ptrs = out_ptr + tok * stride_ot + heads_o[:, None] * stride_oh + cols_o[None, :]
         gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=(heads_o < num_heads)[:, None])
-        heads_s = head0 + gl.arange(0, BH, layout=ROW_S)
+        heads_s = head0 + gl.arange(0, 64, layout=gl.SliceLayout(1, score_layout()))
         gl.store(lse_ptr + tok * stride_lt + heads_s, lse, mask=heads_s < num_heads)
 
     @gluon.jit
@@ -151,30 +170,17 @@ if AVAILABLE:
         G: gl.constexpr = L // 128
         S_L: gl.constexpr = score_layout()
         O_L: gl.constexpr = acc_layout(L)
-        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
 
-        head_blocks = (num_heads + BH - 1) // BH
-        pid = gl.program_id(0)
-        tok = (pid // head_blocks).to(gl.int64)
-        head0 = (pid % head_blocks) * BH
-        heads_l = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, gather_layout(L)))
-        heads_r = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, gather_layout(R)))
-        q_lat = gl.allocate_shared_memory(gl.bfloat16, [BH, L], shared_layout(L))
-        q_rope = gl.allocate_shared_memory(gl.bfloat16, [BH, R], shared_layout(R))
-        _rows_to_shared(qn_ptr + tok * stride_qnt + heads_l * stride_qnh, heads_l < num_heads, q_lat, L)
-        _rows_to_shared(qp_ptr + tok * stride_qpt + heads_r * stride_qph, heads_r < num_heads, q_rope, R)
+        tok, head0, q_lat, q_rope = _token_queries(qn_ptr, qp_ptr, num_heads, stride_qnt, stride_qnh, stride_qpt,
+                                                   stride_qph, L, R)
         k_lat = gl.allocate_shared_memory(gl.bfloat16, [BN, L], shared_layout(L))
         k_rope = gl.allocate_shared_memory(gl.bfloat16, [2, BN, R], shared_layout(R))
         raw_lat = gl.allocate_shared_memory(gl.uint8, [BN, L], gl.NVMMASharedLayout.get_default_for([BN, L], gl.uint8))
         raw_sc = gl.allocate_shared_memory(gl.float32, [BN, G], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], shared_layout(BN))
 
-        req = gl.load(req_ptr + tok)
-        req = gl.where(req < 0, req + num_reqs, req)  # as the reference's torch indexing reads it
-        bt_row = bt_ptr + req.to(gl.int64) * stride_bt
-        topk_row = topk_ptr + tok * stride_kt
-        n_blocks = (topk + BN - 1) // BN
+        bt_row, topk_row, n_blocks = _token_keys(req_ptr, bt_ptr, topk_ptr, tok, num_reqs, topk, stride_bt, stride_kt)
 
         if n_blocks > 0:
             _gather_ds_async(cache_ptr, topk_row, bt_row, 0, topk, max_len, stride_cp, stride_cs, raw_lat, raw_sc,
@@ -202,13 +208,7 @@ if AVAILABLE:
                                           qk_scale, m_i, l_i, acc, ROW_O)
         async_copy.wait_group(0)
 
-        o, lse = _softmax_end(m_i, l_i, acc)
-        heads_o = head0 + gl.arange(0, BH, layout=ROW_O)
-        cols_o = gl.arange(0, L, layout=gl.SliceLayout(0, O_L))
-        o_ptrs = out_ptr + tok * stride_ot + heads_o[:, None] * stride_oh + cols_o[None, :]
-        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=(heads_o < num_heads)[:, None])
-        heads_s = head0 + gl.arange(0, BH, layout=ROW_S)
-        gl.store(lse_ptr + tok * stride_lt + heads_s, lse, mask=heads_s < num_heads)
+        _store_token(m_i, l_i, acc, out_ptr, lse_ptr, tok, head0, num_heads, stride_ot, stride_oh, stride_lt, L)
 
     @gluon.constexpr_function
     def _bytes_layout(rows, cols, vec):
