@@ -420,7 +420,12 @@ def _scores(q, weights, k_cache, req_ids, positions, block_table, layout, width,
 @triton.jit
 def _order_key(x):
     """float32 -> uint32 whose unsigned order is the float order (-inf lowest but NaNs)."""
-    bits = x.to(tl.uint32, bitcast=True)
+    return _order_bits(x.to(tl.uint32, bitcast=True))
+
+
+@triton.jit
+def _order_bits(bits):
+    """A float32's bits (uint32) -> its order key: the sign flips the rest, or sets the top bit."""
     return bits ^ tl.where((bits >> 31) == 1, 0xFFFFFFFF, 0x80000000)
 
 
@@ -430,8 +435,7 @@ def _row_keys(src, offs, W):
     (below every score) past its end: the bits of the negative NaN 0xFFFFFFFF, whose order key
     is 0, fill them, so no mask is applied after the load (LLVM would re-apply it on every pass
     of the bit search)."""
-    bits = tl.load(src + offs, mask=offs < W, other=-1).to(tl.uint32, bitcast=True)
-    return bits ^ tl.where((bits >> 31) == 1, 0xFFFFFFFF, 0x80000000)
+    return _order_bits(tl.load(src + offs, mask=offs < W, other=-1).to(tl.uint32, bitcast=True))
 
 
 @triton.jit
