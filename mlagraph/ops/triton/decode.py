@@ -404,8 +404,8 @@ def _launch_config(q_nope, kv_cache, layout: str, batch: int, rows: int, max_len
                or tma_blocks(kv_cache, latent, rope, decode_stream.BLOCK_N))
         if why is not None:
             raise ValueError(f"mla_decode config: WS asked for, but {why}")
-        cfg = {**_keys_tma_config(batch, rows, max_len, _num_sms(q_nope.device)),
-               "num_stages": decode_stream.pick_stages(max(16, triton.next_power_of_2(rows)), latent, rope, layout)}
+        cfg = _keys_tma_config(batch, rows, max_len, _num_sms(q_nope.device))
+        cfg["num_stages"] = decode_stream.pick_stages(cfg["BLOCK_H"], latent, rope, layout)
         cfg.update(config)
         _check_config(cfg, config)
         decode_stream.check_stages(cfg["BLOCK_H"], latent, rope, layout, cfg["num_stages"])

@@ -88,8 +88,8 @@ def why_not(q_nope, kv_cache, layout: str, latent: int, rope: int) -> str | None
 
 
 if AVAILABLE:
-    from .decode_wgmma import (_cta_barrier, _tma_load, fence_async_shared, gl, gluon, mbarrier, split_run,
-                               warpgroup_mma, warpgroup_mma_wait, warpgroup_tile_layout)
+    from .decode_wgmma import (_cta_barrier, _tma_load, fence_async_shared, gl, gluon, mbarrier, q_rows_to_shared,
+                               split_run, warpgroup_mma, warpgroup_mma_wait, zero_rows_from)
 
     @gluon.constexpr_function
     def _acc_layout(n):
@@ -109,12 +109,8 @@ if AVAILABLE:
     ):
         BN: gl.constexpr = 64
         NS: gl.constexpr = 2  # STAGES
-        row_block = gl.program_id(0)
-        split = gl.program_id(1)
-        b = gl.program_id(2).to(gl.int64)
-
-        seq_len, lo, hi, n_blocks = split_run(seq_lens, b, stride_sl, MAX_LEN, split, MAX_SPLITS)
-        bt_row = block_table + b * stride_bt_b
+        row_block, split, b, seq_len, lo, hi, n_blocks, bt_row = split_run(seq_lens, block_table, stride_sl,
+                                                                           stride_bt_b, MAX_LEN, MAX_SPLITS)
         row0 = row_block * BLOCK_H  # row r: query r // H, head r % H
 
         # q -> shared memory, [BLOCK_H, L] and [BLOCK_H, R] (the products' B side, transposed views).
@@ -122,8 +118,8 @@ if AVAILABLE:
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_H, L], gl.bfloat16))
         q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, R],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.bfloat16))
-        _q_rows_to_shared(q_nope + b * stride_qn_b, stride_qn_s, stride_qn_h, row0, S_Q * H, H, q_lat, L)
-        _q_rows_to_shared(q_pe + b * stride_qp_b, stride_qp_s, stride_qp_h, row0, S_Q * H, H, q_rope, R)
+        q_rows_to_shared(q_nope + b * stride_qn_b, stride_qn_s, stride_qn_h, row0, S_Q * H, H, q_lat, L)
+        q_rows_to_shared(q_pe + b * stride_qp_b, stride_qp_s, stride_qp_h, row0, S_Q * H, H, q_rope, R)
         k_lat = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, L], lat_desc.layout)
         k_rope = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, R], pe_desc.layout)
         p_t = gl.allocate_shared_memory(gl.bfloat16, [BN, BLOCK_H],
@@ -155,17 +151,6 @@ if AVAILABLE:
         fence_async_shared()
         _cta_barrier()
         return ready, free
-
-    @gluon.jit
-    def _q_rows_to_shared(base, stride_s, stride_h, row0, n_rows, H: gl.constexpr, buf, COLS: gl.constexpr):
-        """Rows row0.. of q (row r at base + (r // H) stride_s + (r % H) stride_h; past n_rows:
-        zeros), their first COLS values -> buf [BLOCK_H, COLS]."""
-        layout: gl.constexpr = warpgroup_tile_layout(COLS)
-        rows = row0 + gl.arange(0, buf.type.shape[0], layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-        ptrs = base + (rows // H) * stride_s + (rows % H) * stride_h
-        x = gl.load(ptrs[:, None] + cols[None, :], mask=(rows < n_rows)[:, None], other=0.0)
-        buf.store(x.to(buf.dtype))
 
     @gluon.jit
     def _loader(lat_desc, pe_desc, bt_row, stride_bt_p, lo, n_blocks, k_lat, k_rope, ready, free,
@@ -203,7 +188,7 @@ if AVAILABLE:
             kl = k_lat.index(slot)
             mbarrier.wait(ready.index(slot), (j // 2) & 1)
             if start + BN > hi:  # the split's partial last block: its stale rows -> 0
-                _zero_rows(kl, hi - start)
+                zero_rows_from(kl, hi - start)
             visible = _visible(bt_row, stride_bt_p, start, hi, limit, keys, PAGE)
             m_i, l_i, acc_t = _block_step(kl, k_rope.index(slot), q_lat, q_rope, p_t, visible, qk_scale, m_i, l_i,
                                           acc_t, free.index(slot), False, BLOCK_H)
@@ -264,19 +249,6 @@ if AVAILABLE:
         gl.store(lse_base + rows, row_lse, mask=rows < n_rows)
 
     @gluon.jit
-    def _zero_rows(buf, valid):
-        """Rows ``valid``.. of a [64, cols] key slot -> 0, visible to the tensor cores."""
-        cols: gl.constexpr = buf.type.shape[1]
-        for r in gl.static_range(4):
-            sub = buf.slice(r * 16, 16, dim=0)
-            x = sub.load(warpgroup_tile_layout(cols))
-            rows = r * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, warpgroup_tile_layout(cols)))
-            sub.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
-        fence_async_shared()
-        _cta_barrier()
-
-
-    @gluon.jit
     def _stream_fp8_kernel(
         q_nope, q_pe, cache, lat_desc, pe_desc, sc_desc, block_table, seq_lens, fp8_scale, out, lse,
         qk_scale,  # softmax_scale * log2(e)
@@ -295,19 +267,16 @@ if AVAILABLE:
         goes back to the loader as soon as it is read and half of bf16's bytes stream in."""
         BN: gl.constexpr = 64
         G: gl.constexpr = L // 128
-        row_block = gl.program_id(0)
-        split = gl.program_id(1)
-        b = gl.program_id(2).to(gl.int64)
-        seq_len, lo, hi, n_blocks = split_run(seq_lens, b, stride_sl, MAX_LEN, split, MAX_SPLITS)
-        bt_row = block_table + b * stride_bt_b
+        row_block, split, b, seq_len, lo, hi, n_blocks, bt_row = split_run(seq_lens, block_table, stride_sl,
+                                                                           stride_bt_b, MAX_LEN, MAX_SPLITS)
         row0 = row_block * BLOCK_H
 
         RT: gl.constexpr = gl.float16 if LAYOUT == 1 else gl.bfloat16  # the rope product's dtype
         q_lat = gl.allocate_shared_memory(gl.float16, [BLOCK_H, L],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_H, L], gl.float16))
         q_rope = gl.allocate_shared_memory(RT, [BLOCK_H, R], gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], RT))
-        _q_rows_to_shared(q_nope + b * stride_qn_b, stride_qn_s, stride_qn_h, row0, S_Q * H, H, q_lat, L)
-        _q_rows_to_shared(q_pe + b * stride_qp_b, stride_qp_s, stride_qp_h, row0, S_Q * H, H, q_rope, R)
+        q_rows_to_shared(q_nope + b * stride_qn_b, stride_qn_s, stride_qn_h, row0, S_Q * H, H, q_lat, L)
+        q_rows_to_shared(q_pe + b * stride_qp_b, stride_qp_s, stride_qp_h, row0, S_Q * H, H, q_rope, R)
         raw_lat = gl.allocate_shared_memory(gl.uint8, [NS, BN, L], lat_desc.layout)
         raw_rope = gl.allocate_shared_memory(pe_desc.dtype, [NS, BN, R], pe_desc.layout)
         raw_sc = gl.allocate_shared_memory(gl.float32, [NS, BN, G], sc_desc.layout)  # fp8_ds only

@@ -140,9 +140,6 @@ if AVAILABLE:
         BH: gl.constexpr = 64
         BN: gl.constexpr = 64
         GN: gl.constexpr = 32
-        row_block = gl.program_id(0)
-        split = gl.program_id(1)
-        b = gl.program_id(2).to(gl.int64)
 
         S_L: gl.constexpr = score_layout()
         O_L: gl.constexpr = acc_layout(L)
@@ -150,9 +147,9 @@ if AVAILABLE:
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
         P_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-        seq_len, lo, hi, n_blocks = split_run(seq_lens, b, stride_sl, MAX_LEN, split, MAX_SPLITS)
+        row_block, split, b, seq_len, lo, hi, n_blocks, bt_row = split_run(seq_lens, block_table, stride_sl,
+                                                                           stride_bt_b, MAX_LEN, MAX_SPLITS)
         n_full = gl.maximum(hi - lo, 0) // BN
-        bt_row = block_table + b * stride_bt_b
 
         # Queries -> shared memory (row r: query r // H, head r % H; rows past S_Q * H are zeros).
         rows_l = row_block * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, gather_layout(L)))
@@ -244,17 +241,47 @@ if AVAILABLE:
         gl.store(lse + b * stride_lse_b + split * stride_lse_split + rows_s, row_lse, mask=rows_s < S_Q * H)
 
     @gluon.jit
-    def split_run(seq_lens, b, stride_sl, MAX_LEN, split, MAX_SPLITS: gl.constexpr):
-        """(request b's length, this split's keys [lo, hi), its 64-key blocks): the request's
-        blocks cut into MAX_SPLITS equal runs (lo >= hi: an empty split). Every Gluon decode form
-        cuts them so (the combine reads what they write)."""
+    def split_run(seq_lens, block_table, stride_sl, stride_bt_b, MAX_LEN, MAX_SPLITS: gl.constexpr):
+        """This program of a decode grid (row block, split, request): (row_block, split, b,
+        request b's length, this split's keys [lo, hi), its 64-key blocks, b's block-table row),
+        the request's blocks cut into MAX_SPLITS equal runs (lo >= hi: an empty split). Every
+        Gluon decode form cuts them so (the combine reads what they write)."""
         BN: gl.constexpr = 64
+        row_block = gl.program_id(0)
+        split = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
         seq_len = gl.load(seq_lens + b * stride_sl)
         kv_len = gl.minimum(gl.maximum(seq_len, 0), MAX_LEN)
         per_split = ((kv_len + BN - 1) // BN + MAX_SPLITS - 1) // MAX_SPLITS * BN
         lo = split * per_split
         hi = gl.minimum(lo + per_split, kv_len)
-        return seq_len, lo, hi, gl.maximum(hi - lo + BN - 1, 0) // BN
+        n_blocks = gl.maximum(hi - lo + BN - 1, 0) // BN
+        return row_block, split, b, seq_len, lo, hi, n_blocks, block_table + b * stride_bt_b
+
+    @gluon.jit
+    def q_rows_to_shared(base, stride_s, stride_h, row0, n_rows, H: gl.constexpr, buf, COLS: gl.constexpr):
+        """For the warp-group partitions: rows row0.. of q (row r at base + (r // H) stride_s +
+        (r % H) stride_h; past n_rows: zeros), their first COLS values -> buf [rows, COLS]."""
+        layout: gl.constexpr = warpgroup_tile_layout(COLS)
+        rows = row0 + gl.arange(0, buf.type.shape[0], layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        ptrs = base + (rows // H) * stride_s + (rows % H) * stride_h
+        x = gl.load(ptrs[:, None] + cols[None, :], mask=(rows < n_rows)[:, None], other=0.0)
+        buf.store(x.to(buf.dtype))
+
+    @gluon.jit
+    def zero_rows_from(buf, valid):
+        """For the warp-group partitions: rows ``valid``.. of a [64, cols] key buffer -> 0 (a
+        split's partial last block: stale rows of its page, which a zero weight times would turn
+        into NaN), made visible to this warp group's tensor cores."""
+        cols: gl.constexpr = buf.type.shape[1]
+        for r in gl.static_range(4):
+            sub = buf.slice(r * 16, 16, dim=0)
+            x = sub.load(warpgroup_tile_layout(cols))
+            rows = r * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, warpgroup_tile_layout(cols)))
+            sub.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
+        fence_async_shared()
+        _cta_barrier()
 
     @gluon.jit
     def _softmax_start(L: gl.constexpr):

@@ -54,8 +54,6 @@ AVAILABLE = decode_wgmma.AVAILABLE
 BLOCK_H = 64  # query rows a program: one wgmma M for each warp group
 BLOCK_N = 64  # keys a block
 NUM_WARPS = 4  # the kernel's own warps: warp group 0 (the second warp group and the loader are workers)
-LOADER_REGS = 40
-COMPUTE_REGS = 232
 MAX_REGS = 168  # 3 warp groups x 128 threads x 168 <= 65536; setmaxnreg then moves them between groups
 
 
@@ -68,9 +66,13 @@ def shared_bytes(latent: int, rope: int) -> int:
 if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from .decode_wgmma import (_cta_barrier, _tma_load, fence_async_shared, gl, gluon, mbarrier, split_run,
-                               warpgroup_mma, warpgroup_mma_wait, warpgroup_tile_layout)
-    from .sparse_wgmma import _cp_async
+    from .decode_wgmma import (_cta_barrier, _tma_load, fence_async_shared, gl, gluon, mbarrier, q_rows_to_shared,
+                               split_run, warpgroup_mma, warpgroup_mma_wait, warpgroup_tile_layout, zero_rows_from)
+    from .sparse_wgmma import copy_rows_async, token_keys, token_program
+
+    # Registers a thread of each partition (setmaxnreg): each compute warp group, the loader.
+    COMPUTE_REGS = gl.constexpr(232)
+    LOADER_REGS = gl.constexpr(40)
 
     @gluon.constexpr_function
     def _s_layout():
@@ -95,13 +97,8 @@ if AVAILABLE:
     ):
         """mla_decode: one program per (64 query rows, split, request), as decode_wgmma's."""
         BH: gl.constexpr = 64
-        BN: gl.constexpr = 64
-        row_block = gl.program_id(0)
-        split = gl.program_id(1)
-        b = gl.program_id(2).to(gl.int64)
-
-        seq_len, lo, hi, n_blocks = split_run(seq_lens, b, stride_sl, MAX_LEN, split, MAX_SPLITS)
-        bt_row = block_table + b * stride_bt_b
+        row_block, split, b, seq_len, lo, hi, n_blocks, bt_row = split_run(seq_lens, block_table, stride_sl,
+                                                                           stride_bt_b, MAX_LEN, MAX_SPLITS)
         row0 = row_block * BH  # row r: query r // H, head r % H
 
         half_layout: gl.constexpr = half_desc.layout
@@ -126,7 +123,7 @@ if AVAILABLE:
                        q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent, H, L, R, PAGE, False)),
             (_tma_loader, (half_desc, pe_desc, bt_row, stride_bt_p, lo, n_blocks, k_half, k_rope, ready, free, L,
                            PAGE)),
-        ], [4, 1], [232, 40])  # COMPUTE_REGS, LOADER_REGS
+        ], [4, 1], [COMPUTE_REGS, LOADER_REGS])
 
     @gluon.jit
     def _sparse_kernel(
@@ -139,17 +136,9 @@ if AVAILABLE:
         """sparse_mla: one program per (token, 64 heads), as sparse_wgmma's (the head block
         fastest, so a token's two programs at H=128 read its rows side by side, the second from
         L2). Block j is the token's selected keys 64 j..64 j + 63."""
-        BH: gl.constexpr = 64
         BN: gl.constexpr = 64
-        head_blocks = (num_heads + BH - 1) // BH
-        pid = gl.program_id(0)
-        tok = (pid // head_blocks).to(gl.int64)
-        head0 = (pid % head_blocks) * BH
-        req = gl.load(req_ptr + tok)
-        req = gl.where(req < 0, req + num_reqs, req)  # as the reference's torch indexing reads it
-        bt_row = bt_ptr + req.to(gl.int64) * stride_bt
-        topk_row = topk_ptr + tok * stride_kt
-        n_blocks = (topk + BN - 1) // BN
+        tok, head0 = token_program(num_heads)
+        bt_row, topk_row, n_blocks = token_keys(req_ptr, bt_ptr, topk_ptr, tok, num_reqs, topk, stride_bt, stride_kt)
 
         half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, L // 2], gl.bfloat16)
         rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, R], gl.bfloat16)
@@ -166,21 +155,16 @@ if AVAILABLE:
                        q_half, k_half, k_rope, p_tiles, xchg, ready, free, sent, 1, L, R, PAGE, True)),
             (_gather_loader, (cache_ptr, topk_row, bt_row, topk, max_len, stride_cp, stride_cs, n_blocks, k_half,
                               k_rope, ready, free, L, R, PAGE)),
-        ], [4, 4], [232, 40])  # COMPUTE_REGS, LOADER_REGS; the loader a whole warp group here
+        ], [4, 4], [COMPUTE_REGS, LOADER_REGS])  # the loader a whole warp group here
 
     @gluon.jit
     def _q_latent_to_shared(q_base, stride_s, stride_h, row0, n_rows, H: gl.constexpr, L: gl.constexpr,
                             layout: gl.constexpr):
         """q's latent part of rows row0..row0+63 (row r at q_base + (r // H) stride_s + (r % H)
         stride_h; rows >= n_rows: zeros) -> shared memory as two [64, L/2] halves."""
-        LH: gl.constexpr = L // 2
-        rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, warpgroup_tile_layout(LH)))
-        cols = gl.arange(0, LH, layout=gl.SliceLayout(0, warpgroup_tile_layout(LH)))
-        q_rows = q_base + (rows // H) * stride_s + (rows % H) * stride_h
-        q_half = gl.allocate_shared_memory(gl.bfloat16, [2, 64, LH], layout)
+        q_half = gl.allocate_shared_memory(gl.bfloat16, [2, 64, L // 2], layout)
         for h in gl.static_range(2):
-            x = gl.load(q_rows[:, None] + (h * LH + cols)[None, :], mask=(rows < n_rows)[:, None], other=0.0)
-            q_half.index(h).store(x.to(gl.bfloat16))
+            q_rows_to_shared(q_base + h * (L // 2), stride_s, stride_h, row0, n_rows, H, q_half.index(h), L // 2)
         return q_half
 
     @gluon.jit
@@ -215,20 +199,24 @@ if AVAILABLE:
         before (K0's and K1's rope parts after the scores, K0_L after P0 V0_L, K1_R after P1 V1_R,
         K0_R and K1_L last), so a copy never waits behind one that is freed later. A block lies in
         one page; a -1 page gives a negative row: zeros."""
-        BN: gl.constexpr = 64
         LH: gl.constexpr = L // 2
         for pair in range(0, (n_blocks + 1) // 2):
-            phase = pair & 1
-            has1 = 2 * pair + 1 < n_blocks
-            start0 = lo + 2 * pair * BN
+            phase, start0, start1, has1 = _pair(pair, lo, n_blocks)
             row0 = _page_row(bt_row, stride_bt_p, start0, True, PAGE)
-            row1 = _page_row(bt_row, stride_bt_p, start0 + BN, has1, PAGE)  # unused without a block 1
+            row1 = _page_row(bt_row, stride_bt_p, start1, has1, PAGE)  # unused without a block 1
             _copy(pe_desc, row0, L, free.index(2), ready.index(2), k_rope.index(0), phase, True)
             _copy(pe_desc, row1, L, free.index(5), ready.index(5), k_rope.index(1), phase, has1)
             _copy(half_desc, row0, 0, free.index(0), ready.index(0), k_half.index(0), phase, True)
             _copy(half_desc, row1, LH, free.index(4), ready.index(4), k_half.index(3), phase, has1)
             _copy(half_desc, row0, LH, free.index(1), ready.index(1), k_half.index(1), phase, True)
             _copy(half_desc, row1, 0, free.index(3), ready.index(3), k_half.index(2), phase, has1)
+
+    @gluon.jit
+    def _pair(pair, lo, n_blocks):
+        """Pair ``pair`` of a run of blocks from key ``lo``: (its barriers' phase, block 0's first
+        key, block 1's, whether block 1 exists: an odd run's last pair has block 0 only)."""
+        start0 = lo + 2 * pair * 64
+        return pair & 1, start0, start0 + 64, 2 * pair + 1 < n_blocks
 
     @gluon.jit
     def _page_row(bt_row, stride_bt_p, start, valid, PAGE: gl.constexpr):
@@ -254,13 +242,9 @@ if AVAILABLE:
         warp group of 40 registers a thread, each lane's copies arriving on the part's ready
         barrier as they land (128 arrivals). A -1
         index, a position past the table or a -1 page is a masked copy: zeros."""
-        BN: gl.constexpr = 64
         LH: gl.constexpr = L // 2
         for pair in range(0, (n_blocks + 1) // 2):
-            phase = pair & 1
-            has1 = 2 * pair + 1 < n_blocks
-            j0 = 2 * pair * BN
-            j1 = j0 + BN
+            phase, j0, j1, has1 = _pair(pair, 0, n_blocks)
             _gather(cache_ptr, topk_row, bt_row, j0, topk, max_len, stride_cp, stride_cs, L, R, free.index(2),
                     ready.index(2), k_rope.index(0), phase, True, PAGE)
             _gather(cache_ptr, topk_row, bt_row, j1, topk, max_len, stride_cp, stride_cs, L, R, free.index(5),
@@ -280,19 +264,12 @@ if AVAILABLE:
         """Columns COL0..COL0+COLS of the rows of selected keys start..start+63 -> buf [64, COLS],
         16 rows a step (4 copies a lane), once the buffer is free; the lanes' arrivals on
         ``ready_bar`` follow their copies."""
-        layout: gl.constexpr = warpgroup_tile_layout(COLS)
         RB: gl.constexpr = 16
         if pred:
             mbarrier.wait(free_bar, phase ^ 1)
-            cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
             for r in gl.static_range(64 // RB):
-                offs = start + r * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, layout))
-                pos = gl.load(topk_row + offs, mask=offs < topk, other=-1)
-                in_table = (pos >= 0) & (pos < max_len)
-                page = gl.load(bt_row + pos // PAGE, mask=in_table, other=-1)
-                rows = cache_ptr + page.to(gl.int64) * stride_cp + (pos % PAGE) * stride_cs + COL0
-                _cp_async(buf.slice(r * RB, RB, dim=0), rows[:, None] + cols[None, :],
-                          mask=(in_table & (page >= 0))[:, None])
+                copy_rows_async(cache_ptr, topk_row, bt_row, start + r * RB, topk, max_len, stride_cp, stride_cs,
+                                buf.slice(r * RB, RB, dim=0), COL0, PAGE, warpgroup_tile_layout(COLS))
             async_copy.mbarrier_arrive(ready_bar, increment_count=False)
 
     @gluon.jit
@@ -357,19 +334,6 @@ if AVAILABLE:
         return gl.where(m == float("-inf"), 0.0, m)
 
     @gluon.jit
-    def _zero_tail(buf, valid):
-        """Rows ``valid``.. of a [64, cols] key buffer -> 0 (a dense split's partial last block:
-        stale rows of its page), made visible to the tensor cores of this warp group."""
-        cols: gl.constexpr = buf.type.shape[1]
-        for r in gl.static_range(4):
-            sub = buf.slice(r * 16, 16, dim=0)
-            x = sub.load(warpgroup_tile_layout(cols))
-            rows = r * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, warpgroup_tile_layout(cols)))
-            sub.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
-        fence_async_shared()
-        _cta_barrier()
-
-    @gluon.jit
     def _pv(p, v_buf, o):
         """o += P @ v (P [64, 64] from registers or shared memory, v [64 keys, cols]), awaited."""
         o = warpgroup_mma(p, v_buf, o, is_async=True)
@@ -408,10 +372,7 @@ if AVAILABLE:
         P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         q_rope, m, l_i, o = _group_start(qp_base, qp_s, qp_h, row0, n_rows, H, L, R)
         for pair in range(0, (n_blocks + 1) // 2):
-            phase = pair & 1
-            start0 = lo + 2 * pair * BN
-            start1 = start0 + BN
-            has1 = 2 * pair + 1 < n_blocks
+            phase, start0, start1, has1 = _pair(pair, lo, n_blocks)
             s = _block_scores(q_half, q_rope, k_half, k_rope, ready, 0, phase, SPARSE)
             _cta_barrier()  # every warp past the scores' wait
             mbarrier.arrive(free.index(2))  # K0's rope part: read by S0 only
@@ -427,7 +388,7 @@ if AVAILABLE:
             # o_L = o_L * exp2(m - m0) + P0 V0_L
             if not SPARSE:
                 if start0 + BN > hi:
-                    _zero_tail(k_half.index(0), hi - start0)
+                    zero_rows_from(k_half.index(0), hi - start0)
             o = o * gl.convert_layout(gl.exp2(m - _safe(m0)), ROW_O)[:, None]
             o = _pv(p0, k_half.index(0), o)
             _cta_barrier()
@@ -447,7 +408,7 @@ if AVAILABLE:
                 _ready(ready, 3, phase, SPARSE)  # complete (S1 read it); awaited for visibility here
                 if not SPARSE:
                     if start1 + BN > hi:
-                        _zero_tail(k_half.index(2), hi - start1)
+                        zero_rows_from(k_half.index(2), hi - start1)
                 o = _pv(p_tiles.index(1), k_half.index(2), o)
                 _cta_barrier()
                 mbarrier.arrive(free.index(3))  # K1_L: S1 (warp group 1, before it sent P1) and P1 V1_L
@@ -468,10 +429,7 @@ if AVAILABLE:
         P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         q_rope, m, l_i, o = _group_start(qp_base, qp_s, qp_h, row0, n_rows, H, L, R)
         for pair in range(0, (n_blocks + 1) // 2):
-            phase = pair & 1
-            start0 = lo + 2 * pair * BN
-            start1 = start0 + BN
-            has1 = 2 * pair + 1 < n_blocks
+            phase, start0, start1, has1 = _pair(pair, lo, n_blocks)
             if has1:
                 s = _block_scores(q_half, q_rope, k_half, k_rope, ready, 1, phase, SPARSE)
                 _cta_barrier()  # every warp past the scores' wait
@@ -499,7 +457,7 @@ if AVAILABLE:
             if has1:
                 if not SPARSE:
                     if start1 + BN > hi:
-                        _zero_tail(k_half.index(3), hi - start1)
+                        zero_rows_from(k_half.index(3), hi - start1)
                 o = _pv(p1, k_half.index(3), o)
                 _cta_barrier()
                 mbarrier.arrive(free.index(4))  # K1_R: S1 and P1 V1_R
@@ -508,7 +466,7 @@ if AVAILABLE:
             _ready(ready, 1, phase, SPARSE)  # complete (S0 read it); awaited for visibility here
             if not SPARSE:
                 if start0 + BN > hi:
-                    _zero_tail(k_half.index(1), hi - start0)
+                    zero_rows_from(k_half.index(1), hi - start0)
             o = _pv(p_tiles.index(0), k_half.index(1), o)
             _cta_barrier()
             mbarrier.arrive(free.index(1))  # K0_R: S0 (warp group 0, before it sent m0) and P0 V0_R

@@ -52,7 +52,7 @@ if AVAILABLE:
         k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, R], shared_layout(R))
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], shared_layout(BN))
 
-        bt_row, topk_row, n_blocks = _token_keys(req_ptr, bt_ptr, topk_ptr, tok, num_reqs, topk, stride_bt, stride_kt)
+        bt_row, topk_row, n_blocks = token_keys(req_ptr, bt_ptr, topk_ptr, tok, num_reqs, topk, stride_bt, stride_kt)
 
         # STAGES - 1 blocks in flight before the loop, one commit group each (empty past the end).
         for i in gl.static_range(STAGES - 1):
@@ -87,16 +87,21 @@ if AVAILABLE:
         _store_token(m_i, l_i, acc, out_ptr, lse_ptr, tok, head0, num_heads, stride_ot, stride_oh, stride_lt, L)
 
     @gluon.jit
+    def token_program(num_heads):
+        """(this program's token, its first head): one program per token and 64 heads, the head
+        block fastest in the grid, so a token's programs at H=128 read its rows side by side."""
+        head_blocks = (num_heads + 63) // 64
+        pid = gl.program_id(0)
+        return (pid // head_blocks).to(gl.int64), (pid % head_blocks) * 64
+
+    @gluon.jit
     def _token_queries(qn_ptr, qp_ptr, num_heads, stride_qnt, stride_qnh, stride_qpt, stride_qph, L: gl.constexpr,
                        R: gl.constexpr):
         """This program's token and first head (the head block fastest in the grid), and its 64
         heads' q in shared memory: (tok, head0, q_lat [64, L], q_rope [64, R]); heads past the
         last are zeros."""
         BH: gl.constexpr = 64
-        head_blocks = (num_heads + BH - 1) // BH
-        pid = gl.program_id(0)
-        tok = (pid // head_blocks).to(gl.int64)
-        head0 = (pid % head_blocks) * BH
+        tok, head0 = token_program(num_heads)
         heads_l = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, gather_layout(L)))
         heads_r = head0 + gl.arange(0, BH, layout=gl.SliceLayout(1, gather_layout(R)))
         q_lat = gl.allocate_shared_memory(gl.bfloat16, [BH, L], shared_layout(L))
@@ -106,7 +111,7 @@ if AVAILABLE:
         return tok, head0, q_lat, q_rope
 
     @gluon.jit
-    def _token_keys(req_ptr, bt_ptr, topk_ptr, tok, num_reqs, topk, stride_bt, stride_kt):
+    def token_keys(req_ptr, bt_ptr, topk_ptr, tok, num_reqs, topk, stride_bt, stride_kt):
         """(the token's request's block-table row, its selected keys' row, their 64-key blocks)."""
         req = gl.load(req_ptr + tok)
         req = gl.where(req < 0, req + num_reqs, req)  # as the reference's torch indexing reads it
@@ -132,22 +137,25 @@ if AVAILABLE:
         rope_buf [BN, R], 32 keys at a time (registers for the addresses stay few)."""
         GN: gl.constexpr = 32
         for c in gl.static_range(BN // GN):
-            _copy_rows_async(cache_ptr, topk_row, bt_row, start + c * GN, topk, max_len, stride_cp, stride_cs,
-                             lat_buf.slice(c * GN, GN, dim=0), 0, L, PAGE, GN)
-            _copy_rows_async(cache_ptr, topk_row, bt_row, start + c * GN, topk, max_len, stride_cp, stride_cs,
-                             rope_buf.slice(c * GN, GN, dim=0), L, R, PAGE, GN)
+            copy_rows_async(cache_ptr, topk_row, bt_row, start + c * GN, topk, max_len, stride_cp, stride_cs,
+                            lat_buf.slice(c * GN, GN, dim=0), 0, PAGE, gather_layout(L))
+            copy_rows_async(cache_ptr, topk_row, bt_row, start + c * GN, topk, max_len, stride_cp, stride_cs,
+                            rope_buf.slice(c * GN, GN, dim=0), L, PAGE, gather_layout(R))
 
     @gluon.jit
-    def _copy_rows_async(cache_ptr, topk_row, bt_row, start, topk, max_len, stride_cp, stride_cs, buf,
-                         COL0: gl.constexpr, COLS: gl.constexpr, PAGE: gl.constexpr, GN: gl.constexpr):
-        """Columns COL0..COL0+COLS of the rows of selected keys start..start+GN -> buf [GN, COLS];
-        a key with no row (-1 index, past the table, -1 page) is a masked copy: zeros."""
-        layout: gl.constexpr = gather_layout(COLS)
+    def copy_rows_async(cache_ptr, topk_row, bt_row, start, topk, max_len, stride_cp, stride_cs, buf,
+                        COL0: gl.constexpr, PAGE: gl.constexpr, layout: gl.constexpr):
+        """The rows of selected keys start..start+GN, from COL0 (in the cache's elements) on, as
+        buf's dtype -> buf [GN, COLS] by cp.async in ``layout``; a key with no row (-1 index, past
+        the table, -1 page) is a masked copy: zeros."""
+        GN: gl.constexpr = buf.shape[0]
+        COLS: gl.constexpr = buf.shape[1]
         offs = start + gl.arange(0, GN, layout=gl.SliceLayout(1, layout))
         pos = gl.load(topk_row + offs, mask=offs < topk, other=-1)
         in_table = (pos >= 0) & (pos < max_len)
         page = gl.load(bt_row + pos // PAGE, mask=in_table, other=-1)
-        rows = cache_ptr + page.to(gl.int64) * stride_cp + (pos % PAGE) * stride_cs + COL0
+        rows = (cache_ptr + page.to(gl.int64) * stride_cp + (pos % PAGE) * stride_cs + COL0).to(
+            gl.pointer_type(buf.dtype))
         cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
         _cp_async(buf, rows[:, None] + cols[None, :], mask=(in_table & (page >= 0))[:, None])
 
@@ -180,7 +188,7 @@ if AVAILABLE:
         raw_sc = gl.allocate_shared_memory(gl.float32, [BN, G], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], shared_layout(BN))
 
-        bt_row, topk_row, n_blocks = _token_keys(req_ptr, bt_ptr, topk_ptr, tok, num_reqs, topk, stride_bt, stride_kt)
+        bt_row, topk_row, n_blocks = token_keys(req_ptr, bt_ptr, topk_ptr, tok, num_reqs, topk, stride_bt, stride_kt)
 
         if n_blocks > 0:
             _gather_ds_async(cache_ptr, topk_row, bt_row, 0, topk, max_len, stride_cp, stride_cs, raw_lat, raw_sc,
@@ -228,29 +236,14 @@ if AVAILABLE:
         GN: gl.constexpr = 32
         for c in gl.static_range(64 // GN):
             s0 = start + c * GN
-            _copy_ds_part(cache_ptr, topk_row, bt_row, s0, topk, max_len, stride_cp, stride_cs,
-                          raw_lat.slice(c * GN, GN, dim=0), 0, gl.uint8, 16, PAGE)
-            _copy_ds_part(cache_ptr, topk_row, bt_row, s0, topk, max_len, stride_cp, stride_cs,
-                          raw_sc.slice(c * GN, GN, dim=0), L, gl.float32, G, PAGE)
-            _copy_ds_part(cache_ptr, topk_row, bt_row, s0, topk, max_len, stride_cp, stride_cs,
-                          rope_buf.slice(c * GN, GN, dim=0), L + 4 * G, gl.bfloat16, 8, PAGE)
-
-    @gluon.jit
-    def _copy_ds_part(cache_ptr, topk_row, bt_row, start, topk, max_len, stride_cp, stride_cs, buf,
-                      BYTE0: gl.constexpr, DTYPE: gl.constexpr, VEC: gl.constexpr, PAGE: gl.constexpr):
-        """One part of 32 selected keys' fp8_ds rows (from byte BYTE0, buf's width of DTYPE values)
-        -> buf [32, cols] with cp.async, VEC values a thread."""
-        GN: gl.constexpr = buf.shape[0]
-        COLS: gl.constexpr = buf.shape[1]
-        layout: gl.constexpr = _bytes_layout(GN, COLS, VEC)
-        offs = start + gl.arange(0, GN, layout=gl.SliceLayout(1, layout))
-        pos = gl.load(topk_row + offs, mask=offs < topk, other=-1)
-        in_table = (pos >= 0) & (pos < max_len)
-        page = gl.load(bt_row + pos // PAGE, mask=in_table, other=-1)
-        rows = (cache_ptr + page.to(gl.int64) * stride_cp + (pos % PAGE) * stride_cs + BYTE0).to(
-            gl.pointer_type(DTYPE))
-        cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-        _cp_async(buf, rows[:, None] + cols[None, :], mask=(in_table & (page >= 0))[:, None])
+            # (cache bytes: the latent from byte 0, 16 a lane; the scales from L, 4 float32 a
+            # row; the rope from L + 4 G, 8 bf16 a lane)
+            copy_rows_async(cache_ptr, topk_row, bt_row, s0, topk, max_len, stride_cp, stride_cs,
+                            raw_lat.slice(c * GN, GN, dim=0), 0, PAGE, _bytes_layout(GN, L, 16))
+            copy_rows_async(cache_ptr, topk_row, bt_row, s0, topk, max_len, stride_cp, stride_cs,
+                            raw_sc.slice(c * GN, GN, dim=0), L, PAGE, _bytes_layout(GN, G, G))
+            copy_rows_async(cache_ptr, topk_row, bt_row, s0, topk, max_len, stride_cp, stride_cs,
+                            rope_buf.slice(c * GN, GN, dim=0), L + 4 * G, PAGE, _bytes_layout(GN, R, 8))
 
     @gluon.jit
     def _widen_ds(raw_lat, raw_sc, k_lat):
